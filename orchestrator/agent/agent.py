@@ -1,0 +1,306 @@
+"""The node agent: registers with the supervisor, runs its assignment, relays heartbeats.
+
+It keeps its ranks training when the supervisor goes away, holds their progress and exits,
+and re-registers when a supervisor answers again at the same URL. Rank exits are reported
+the moment ``waitpid`` returns, not at the next heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
+from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
+from orchestrator.agent.ranks import Rank, RankSet
+from orchestrator.logs import get_logger
+from orchestrator.protocol import (
+    Assignment,
+    Heartbeat,
+    RankExit,
+    RankInfo,
+    RanksStarted,
+    RanksStopped,
+    RegisterRequest,
+    RegisterResponse,
+    WorkerEvent,
+)
+
+# Events held while the supervisor is unreachable; beyond this the oldest are dropped.
+_MAX_QUEUED_EVENTS = 10_000
+
+
+def free_port() -> int:
+    """A port free on this host right now (the next generation's rendezvous port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Agent:
+    def __init__(self, head_url: str, token: str, node_id: str, *, addr: str, procs: int,
+                 run_dir: Path, orphan_timeout_s: float = 0.0) -> None:
+        self.node_id = node_id
+        self.addr = addr
+        self.procs = procs
+        self.run_dir = run_dir
+        self.orphan_timeout_s = orphan_timeout_s
+        self.client = SupervisorClient(head_url, token)
+        self.log = get_logger("orchestrator.agent").bind(node=node_id)
+        self.hub = LocalHub(on_event=self._on_worker_event)
+        self.sock = LocalSocketServer(self.hub)
+        self.ranks: RankSet | None = None
+        self.version = 0
+        self.heartbeat_s = 0.5
+        self.config_path = run_dir / "agents" / node_id / "config.json"
+        self._events: list[dict[str, Any]] = []
+        self._events_ready = asyncio.Event()
+        self._registered = asyncio.Event()
+        self._exit = asyncio.Event()
+        self._done_signals: set[int] = set()
+        self._last_contact = time.monotonic()
+        self._free_port = free_port()
+
+    # -- main --------------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._exit.set)
+        await self.sock.start()
+        async with self.client:
+            tasks = [asyncio.create_task(c) for c in (
+                self._register_loop(), self._heartbeat_loop(), self._assignment_loop(),
+                self._event_loop(), self._orphan_watch())]
+            await self._exit.wait()
+            if self.ranks is not None and self.ranks.alive:
+                await self.ranks.stop(grace=10.0)
+            await self._flush_events(timeout=3.0)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.sock.close()
+        self.log.info("agent exiting")
+        return 0
+
+    def _contact(self) -> None:
+        self._last_contact = time.monotonic()
+
+    async def _register_loop(self) -> None:
+        """Register now, and again whenever the supervisor forgets us (restart)."""
+        while True:
+            if self._registered.is_set():
+                await asyncio.sleep(0.2)
+                continue
+            req = RegisterRequest(
+                node_id=self.node_id, host=socket.gethostname(), addr=self.addr,
+                procs=self.procs, agent_pid=os.getpid(), free_port=self._port(),
+                generation=self.ranks.generation if self.ranks else None,
+                assignment_version=self.version,
+                ranks=self._rank_infos())
+            try:
+                data = await self.client.request_retrying(
+                    "POST", "/v1/register", json=req.model_dump(mode="json"),
+                    give_up_after=30.0)
+            except (Unreachable, SupervisorError) as exc:
+                self.log.warning("register failed; retrying", error=str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            resp = RegisterResponse.model_validate(data)
+            self.heartbeat_s = resp.heartbeat_interval_s
+            self.config_path.parent.mkdir(parents=True, exist_ok=True)
+            self.config_path.write_text(json.dumps(resp.config))
+            self._contact()
+            self._registered.set()
+            self.log.info("registered", head=self.client.head_url)
+
+    def _port(self) -> int | None:
+        return None if self.ranks is not None and self.ranks.alive else self._free_port
+
+    def _rank_infos(self) -> list[RankInfo]:
+        if self.ranks is None:
+            return []
+        infos = []
+        for r in self.ranks.ranks:
+            info = r.info()
+            beat = self.hub.beats.get(r.rank)
+            if beat is not None and beat.generation in (None, self.ranks.generation):
+                info.step, info.phase = beat.step, beat.phase
+                info.last_step_ts, info.beat_ts = beat.last_step_ts, beat.beat_ts
+                info.step_interval_max = beat.interval_max
+            infos.append(info)
+        return infos
+
+    def _forget_registration(self, exc: SupervisorError) -> None:
+        if exc.status == 404 and self._registered.is_set():
+            self.log.warning("supervisor does not know this node; re-registering")
+            self._registered.clear()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if not self._registered.is_set():
+                continue
+            generation, records = self.hub.take_records()
+            hb = Heartbeat(node_id=self.node_id,
+                           generation=self.ranks.generation if self.ranks else None,
+                           free_port=self._port(), ranks=self._rank_infos(),
+                           records=records)
+            try:
+                await self.client.request("POST", "/v1/heartbeat",
+                                          json=hb.model_dump(mode="json"), timeout=5.0)
+                self._contact()
+            except (Unreachable, SupervisorError) as exc:
+                # Keep the records for the next beat (the supervisor may be restarting).
+                if records and generation == self.hub.records_generation:
+                    self.hub.records[:0] = records
+                if isinstance(exc, SupervisorError):
+                    self._forget_registration(exc)
+
+    async def _assignment_loop(self) -> None:
+        while True:
+            await self._registered.wait()
+            try:
+                data = await self.client.request(
+                    "GET", "/v1/assignment",
+                    params={"node_id": self.node_id, "after": self.version, "timeout": 20},
+                    timeout=30.0)
+                self._contact()
+            except Unreachable:
+                await asyncio.sleep(0.5)
+                continue
+            except SupervisorError as exc:
+                self._forget_registration(exc)
+                await asyncio.sleep(0.5)
+                continue
+            if data:
+                await self._reconcile(Assignment.model_validate(data))
+
+    async def _reconcile(self, a: Assignment) -> None:
+        """Make what runs here match the assignment."""
+        if a.version <= self.version:
+            return
+        self.version = a.version
+        for order in a.signals:
+            if order.id not in self._done_signals:
+                self._done_signals.add(order.id)
+                if self.ranks is not None:
+                    sent = self.ranks.send_signal(order.rank, order.signal)
+                    self.log.warning("signal order", rank=order.rank, signal=order.signal,
+                                     sent=sent)
+        current = self.ranks.generation if self.ranks is not None else None
+        if a.action == "run" and a.generation != current:
+            await self._stop_ranks(report=False)
+            await self._start_ranks(a)
+        elif a.action == "stop":
+            await self._stop_ranks(report=True, generation=a.generation)
+        elif a.action == "idle" and self.ranks is not None and self.ranks.alive:
+            await self._stop_ranks(report=True, generation=self.ranks.generation)
+        elif a.action == "exit":
+            await self._stop_ranks(report=True, generation=current)
+            self._exit.set()
+
+    async def _start_ranks(self, a: Assignment) -> None:
+        self.hub.reset()
+        env = {**os.environ, "ORCH_AGENT_SOCKET": self.sock.path,
+               "ORCH_CONFIG": str(self.config_path), "ORCH_NODE_ID": self.node_id,
+               "ORCH_HEARTBEAT_INTERVAL": str(self.heartbeat_s),
+               "ORCH_RUN_DIR": str(self.run_dir)}
+        env.pop("ORCH_TOKEN", None)  # ranks never see the control API token
+        self.ranks = RankSet(a, env, self.run_dir / "logs", self._on_rank_exit)
+        infos = await self.ranks.start()
+        self.log.info("ranks started", generation=a.generation,
+                      ranks=[(i.rank, i.pid) for i in infos])
+        self._queue(RanksStarted(generation=a.generation or 0, ranks=infos, ts=time.time()))
+
+    async def _stop_ranks(self, report: bool, generation: int | None = None) -> None:
+        if self.ranks is not None and self.ranks.alive:
+            self.log.info("stopping ranks", generation=self.ranks.generation)
+            await self.ranks.stop(grace=self._grace())
+        self._free_port = free_port()
+        if report and generation is not None:
+            self._queue(RanksStopped(generation=generation, ts=time.time(),
+                                     free_port=self._free_port))
+
+    def _grace(self) -> float:
+        try:
+            cfg = json.loads(self.config_path.read_text())
+            return float(cfg["timeouts"]["stop_grace_s"])
+        except (OSError, KeyError, ValueError, TypeError):
+            return 10.0
+
+    async def _on_rank_exit(self, r: Rank, tail: list[str]) -> None:
+        self.log.info("rank exited", rank=r.rank, exit_code=r.exit_code, signal=r.signal,
+                      expected=self.ranks.stopping if self.ranks else None)
+        self._queue(RankExit(generation=r.generation or 0,
+                             rank=r.rank, pid=r.process.pid, exit_code=r.exit_code,
+                             signal=r.signal, ts=time.time(), log_tail=tail))
+
+    def _on_worker_event(self, msg: dict[str, Any]) -> None:
+        gen = self.ranks.generation if self.ranks is not None else 0
+        try:
+            ev = WorkerEvent(generation=msg.get("generation") or gen or 0, rank=msg["rank"],
+                             name=str(msg.get("name", "")), data=msg.get("data") or {},
+                             ts=float(msg.get("ts") or time.time()))
+        except (KeyError, ValueError, TypeError):
+            return
+        self._queue(ev)
+
+    # -- events ------------------------------------------------------------------------------
+    def _queue(self, event: Any) -> None:
+        self._events.append(event.model_dump(mode="json"))
+        del self._events[:-_MAX_QUEUED_EVENTS]
+        self._events_ready.set()
+
+    async def _event_loop(self) -> None:
+        while True:
+            await self._events_ready.wait()
+            await self._registered.wait()
+            if not await self._send_events():
+                await asyncio.sleep(0.3)
+
+    async def _send_events(self) -> bool:
+        batch = self._events[:500]
+        if not batch:
+            self._events_ready.clear()
+            return True
+        try:
+            await self.client.request("POST", "/v1/events",
+                                      json={"node_id": self.node_id, "events": batch})
+            self._contact()
+        except Unreachable:
+            return False
+        except SupervisorError as exc:
+            self._forget_registration(exc)
+            if exc.status == 422:  # a bad event must not block the ones behind it
+                self.log.error("supervisor rejected events", error=str(exc))
+                del self._events[:len(batch)]
+            return False
+        del self._events[:len(batch)]
+        if not self._events:
+            self._events_ready.clear()
+        return True
+
+    async def _flush_events(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self._events and time.monotonic() < deadline:
+            if not await self._send_events():
+                await asyncio.sleep(0.2)
+
+    async def _orphan_watch(self) -> None:
+        """Exit if the supervisor has been gone for long and nothing runs here."""
+        if self.orphan_timeout_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(1.0)
+            idle = self.ranks is None or not self.ranks.alive
+            if idle and time.monotonic() - self._last_contact > self.orphan_timeout_s:
+                self.log.warning("supervisor gone and no ranks running; exiting",
+                                 silent_s=round(time.monotonic() - self._last_contact))
+                self._exit.set()
+                return

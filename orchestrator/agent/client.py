@@ -1,0 +1,72 @@
+"""The agent's HTTP client to the supervisor, with tenacity retries on transient failures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
+
+
+class SupervisorError(Exception):
+    """A non-transient answer (4xx) from the supervisor."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class Unreachable(Exception):
+    """The supervisor did not answer (down, restarting, network)."""
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, Unreachable) or (
+        isinstance(exc, SupervisorError) and exc.status >= 500)
+
+
+class SupervisorClient:
+    def __init__(self, head_url: str, token: str) -> None:
+        self.head_url = head_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> SupervisorClient:
+        self._session = aiohttp.ClientSession(headers=self._headers)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def request(self, method: str, path: str, *, json: Any = None,
+                      params: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+        """One attempt. Raises Unreachable or SupervisorError."""
+        assert self._session is not None
+        try:
+            async with self._session.request(
+                    method, self.head_url + path, json=json, params=params,
+                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status >= 400:
+                    text = await resp.text()
+                    raise SupervisorError(resp.status, text[:500])
+                return await resp.json()
+        except (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError,
+                TimeoutError) as exc:
+            raise Unreachable(str(exc) or type(exc).__name__) from None
+
+    async def request_retrying(self, method: str, path: str, *, give_up_after: float,
+                               max_wait: float = 2.0, **kwargs: Any) -> Any:
+        """Retry transient failures with exponential backoff for up to ``give_up_after`` s."""
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception(_transient),
+                wait=wait_exponential(multiplier=0.1, max=max_wait),
+                stop=stop_after_delay(give_up_after), reraise=True):
+            with attempt:
+                return await self.request(method, path, **kwargs)
+        raise AssertionError("unreachable")  # pragma: no cover - reraise=True

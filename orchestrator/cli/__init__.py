@@ -1,0 +1,111 @@
+"""The ``orchestrator`` command line: parses, then hands off. No logic lives here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="orchestrator",
+    help="Fault-tolerant training orchestrator: keeps training productive through crashes, "
+         "hangs, lost nodes and divergence.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+ConfigArg = Annotated[Path | None, typer.Argument(
+    help="Config YAML (default: the embedded configs/local.yaml).", show_default=False)]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", "-s", help="Override a field: --set trainer.steps=100 (repeatable).")]
+RunDirArg = Annotated[Path | None, typer.Argument(
+    help="Run directory (default: runs/latest).", show_default=False)]
+
+
+@app.command()
+def up(
+    config: ConfigArg = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory to create and use.")] = None,
+    overrides: SetOpt = None,
+    detach: Annotated[bool, typer.Option(help="Run as a daemon; write a pid file.")] = False,
+    resume: Annotated[Path | None, typer.Option(
+        help="Restart the supervisor of an existing run (its agents keep training).")] = None,
+    chaos_kill_at: Annotated[list[int] | None, typer.Option(
+        help="SIGKILL a random rank once it reaches this step (repeatable).")] = None,
+) -> None:
+    """Start the supervisor in the foreground and run the job to completion."""
+    from orchestrator.cli.up import run_up
+
+    raise typer.Exit(run_up(config, run_dir, overrides or [], detach=detach, resume=resume,
+                            chaos_kill_at=chaos_kill_at or []))
+
+
+@app.command()
+def status(
+    run_dir: RunDirArg = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """Show a job's state, progress, restarts and checkpoints (live or after the run)."""
+    from orchestrator.cli.views import show_status
+
+    raise typer.Exit(show_status(run_dir, json_out))
+
+
+@app.command()
+def down(
+    run_dir: RunDirArg = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the stop.")] = 120.0,
+) -> None:
+    """Ask a running job's supervisor to stop the job (cause: operator)."""
+    from orchestrator.cli.control import stop_job
+
+    raise typer.Exit(stop_job(run_dir, timeout))
+
+
+@app.command()
+def validate(config: Annotated[Path, typer.Argument(help="Config YAML to check.")],
+             overrides: SetOpt = None) -> None:
+    """Check a config: print every problem with its dotted field; exit 1 if any."""
+    from orchestrator.cli.views import validate_config
+
+    raise typer.Exit(validate_config(config, overrides or []))
+
+
+@app.command(hidden=True)
+def agent(
+    head: Annotated[str, typer.Option(help="Supervisor URL.")],
+    node_id: Annotated[str, typer.Option(help="This node's id.")],
+    addr: Annotated[str, typer.Option(help="Address other nodes reach this one at.")],
+    procs: Annotated[int, typer.Option(help="Ranks this node can run.")] = 1,
+    run_dir: Annotated[Path, typer.Option(help="Where logs and rank files go.")] = Path("."),
+    token_file: Annotated[Path | None, typer.Option(help="0600 file with the token.")] = None,
+    orphan_timeout: Annotated[float, typer.Option(
+        help="Exit after this long without a supervisor and no ranks (0: never).")] = 0.0,
+) -> None:
+    """Run a node agent (started by a launcher; the token comes from ORCH_TOKEN)."""
+    from orchestrator.cli.control import run_agent
+
+    raise typer.Exit(run_agent(head, node_id, addr, procs, run_dir, token_file,
+                               orphan_timeout))
+
+
+@data_app.command("prepare")
+def data_prepare(
+    out: Annotated[Path, typer.Option(help="Directory for the shards and index.json.")],
+    source: Annotated[list[str] | None, typer.Option(
+        help="Text/jsonl files or globs (repeatable); default: the Python stdlib.")] = None,
+    tokenizer: Annotated[str, typer.Option(help="'byte' or a tokenizer.json.")] = "byte",
+    max_bytes: Annotated[int, typer.Option(help="Cap on source bytes.")] = 8 * 2**20,
+) -> None:
+    """Turn text / jsonl files into packed token shards."""
+    from orchestrator.cli.views import prepare_data
+
+    raise typer.Exit(prepare_data(out, source or "stdlib", tokenizer, max_bytes))
+
+
+def main() -> None:
+    app()

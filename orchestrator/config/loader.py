@@ -1,0 +1,130 @@
+"""YAML files plus dotted ``--set`` overrides, validated once, every problem reported at once."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.config.schema import Config
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One config problem: the dotted path of the field and what is wrong with it."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class ConfigError(Exception):
+    """Raised with every problem of a config, each naming its dotted field."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
+
+
+def default_config_path() -> Path:
+    """The embedded default, ``configs/local.yaml``: in the wheel or in the checkout."""
+    packaged = resources.files("orchestrator") / "_configs" / "local.yaml"
+    if packaged.is_file():
+        return Path(str(packaged))
+    checkout = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+    if checkout.is_file():
+        return checkout
+    raise FileNotFoundError("the embedded default configs/local.yaml is missing from this install")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML, so 3, true, [1, 2] work)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError("--set", [Problem(text, "expected KEY=VALUE with a dotted KEY")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError("--set", [Problem(key, f"value is not valid YAML: {exc}")]) from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each dotted override set (creating mappings as needed)."""
+    out = copy.deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError("--set", [Problem(where, "is not a mapping; cannot set below it")])
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _problems(exc: ValidationError) -> list[Problem]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        original = (err.get("ctx") or {}).get("error")
+        field = getattr(original, "field", None)
+        if field:
+            loc.append(field)
+        message = str(original) if original is not None else err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key (not in the schema)"
+        problems.append(Problem(".".join(loc) or "<root>", message))
+    return problems
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a clear ConfigError for a missing file or bad YAML."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(str(path), [Problem("<file>", "no such file")])
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [Problem("<file>", f"not valid YAML: {exc}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), [Problem("<root>", "the file must hold a mapping")])
+    return data
+
+
+def validate_data(data: dict[str, Any], source: str) -> Config:
+    """Validate a plain mapping; raises ConfigError listing every problem."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _problems(exc)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (default: the embedded ``configs/local.yaml``) with ``--set`` overrides."""
+    source = Path(path) if path is not None else default_config_path()
+    data = apply_overrides(read_yaml(source), overrides or [])
+    label = str(source) + (" (with --set overrides)" if overrides else "")
+    return validate_data(data, label)
+
+
+def config_hash(cfg: Config) -> str:
+    """A stable short hash of the resolved config (recorded in journals and manifests)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,240 @@
+"""The root config: one pydantic tree, composed from each component's own section.
+
+Orchestrator-owned sections live here; the trainer owns ``trainer`` and ``checkpoint``
+(``trainer.config``), the stability module owns ``stability``. Every model forbids unknown
+keys, so a typo is an error naming its dotted path, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stability.config import StabilityConfig
+from trainer.config import CheckpointConfig, FieldError, TrainerConfig
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+_JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+class JobConfig(Section):
+    """What runs, and under which name."""
+
+    name: str = Field("local", description="Job name: label on metrics, checkpoint subfolder.")
+    entrypoint: list[str] | None = Field(
+        None,
+        description=(
+            "Command each rank runs (argv). Default: the built-in trainer "
+            "(`python -m trainer`). A user script gets the torch.distributed environment and "
+            "uses the worker SDK (`import orchestrator.worker`)."
+        ),
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables for every rank."
+    )
+    run_root: str = Field("runs", description="Where `up` creates run directories.")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _JOB_NAME.match(v):
+            raise ValueError(
+                "must be 1-63 characters of lowercase letters, digits, '_', '.', '-', "
+                "starting with a letter or digit"
+            )
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
+        secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.I)]
+        if secret:
+            raise ValueError(
+                f"secrets never come from the config file ({', '.join(sorted(secret))}); "
+                "pass them through the environment of `orchestrator up`"
+            )
+        return v
+
+
+class SSHConfig(Section):
+    """SSH launcher settings."""
+
+    hosts: list[str] = Field(default_factory=list, description="Hosts (user@host[:port]).")
+    hostfile: str | None = Field(None, description="File with one host per line (# comments).")
+    identity_file: str | None = Field(None, description="Private key for ssh -i.")
+    options: list[str] = Field(
+        default_factory=list, description="Extra ssh -o options, e.g. StrictHostKeyChecking=no."
+    )
+
+
+class SlurmConfig(Section):
+    """Slurm launcher settings (run `orchestrator up` inside an allocation)."""
+
+    srun_args: list[str] = Field(default_factory=list, description="Extra srun arguments.")
+
+
+class LauncherConfig(Section):
+    """How agents get started on the nodes."""
+
+    kind: Literal["local", "ssh", "slurm", "kubernetes"] = Field(
+        "local", description="local (simulated nodes on this host), ssh, slurm, kubernetes."
+    )
+    python: str | None = Field(
+        None, description="Python interpreter on the nodes (default: the supervisor's own)."
+    )
+    advertise_host: str | None = Field(
+        None, description="Address agents use to reach the supervisor (default: this host)."
+    )
+    ssh: SSHConfig = Field(default_factory=SSHConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+
+class ClusterConfig(Section):
+    """The nodes a job runs on."""
+
+    nodes: int = Field(2, gt=0, description="Nodes the job trains on.")
+    procs_per_node: int = Field(1, gt=0, description="Ranks per node (one per accelerator).")
+    spares: int = Field(0, ge=0, description="Extra nodes kept out of the job as spares.")
+    accelerator: Literal["cpu", "cuda", "neuron"] = Field(
+        "cpu", description="Accelerator kind each rank drives."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+class PhaseTimeouts(Section):
+    """Seconds without progress, per phase, before a rank counts as hung."""
+
+    init: float = Field(300, gt=0, description="Process start to the first heartbeat.")
+    loading: float = Field(900, gt=0, description="Loading a checkpoint or data.")
+    compiling: float = Field(1800, gt=0, description="torch.compile / Neuron compilation.")
+    training: float | None = Field(
+        None,
+        gt=0,
+        description="Fixed training timeout; default null = self-calibrating (see calibration).",
+    )
+    checkpointing: float = Field(900, gt=0, description="The blocking part of a save.")
+    evaluating: float = Field(1800, gt=0, description="An evaluation pass.")
+
+
+class TimeoutsConfig(Section):
+    """Every timeout the control plane uses."""
+
+    register_s: float = Field(120, gt=0, description="Agents have this long to register.")
+    launch_s: float = Field(120, gt=0, description="Agents have this long to start ranks.")
+    stop_grace_s: float = Field(
+        10, gt=0, description="SIGTERM to SIGKILL grace when stopping ranks."
+    )
+    heartbeat_interval_s: float = Field(
+        0.5, gt=0, description="How often ranks and agents send heartbeats."
+    )
+    node_lost_s: float = Field(10, gt=0, description="An agent silent this long is node_lost.")
+    phases: PhaseTimeouts = Field(default_factory=PhaseTimeouts)
+    training_floor_s: float = Field(
+        30, gt=0, description="Calibrated training timeout never goes below this."
+    )
+    training_multiplier: float = Field(
+        5.0, gt=1, description="Calibrated training timeout = multiplier x largest recent step."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TimeoutsConfig:
+        if self.node_lost_s <= 2 * self.heartbeat_interval_s:
+            raise FieldError(
+                "node_lost_s",
+                f"node_lost_s ({self.node_lost_s}) must exceed two heartbeat intervals "
+                f"({2 * self.heartbeat_interval_s})",
+            )
+        return self
+
+
+class RestartConfig(Section):
+    """When to restart a failed job, and when to give up."""
+
+    max_restarts: int = Field(20, ge=0, description="Total restart budget of the job.")
+    max_restarts_without_progress: int = Field(
+        3, gt=0, description="FAILED after this many restarts in a row with no new checkpoint."
+    )
+    backoff_initial_s: float = Field(1.0, ge=0, description="First restart delay.")
+    backoff_max_s: float = Field(60.0, ge=0, description="Longest restart delay.")
+    backoff_multiplier: float = Field(2.0, ge=1, description="Delay growth per restart.")
+
+
+class MetricsConfig(Section):
+    """The supervisor's HTTP endpoint: control API, /metrics, /healthz."""
+
+    host: str = Field("0.0.0.0", description="Interface the supervisor listens on.")
+    port: int = Field(
+        9400, ge=0, le=65535, description="Port (0 picks a free one, written to the run dir)."
+    )
+
+
+class KillSpec(Section):
+    """One injected rank kill."""
+
+    step: int = Field(gt=0, description="Kill once the rank has reached this step.")
+    rank: int | Literal["random"] = Field("random", description="Rank to kill, or random.")
+    signal: Literal["SIGKILL", "SIGTERM", "SIGSEGV", "SIGSTOP"] = Field(
+        "SIGKILL", description="Signal sent (SIGSTOP simulates a hang)."
+    )
+
+
+class ChaosConfig(Section):
+    """Fault injection for demos and tests. Each injection fires once per job."""
+
+    kill: list[KillSpec] = Field(default_factory=list, description="Kills at given steps.")
+    kill_interval_s: float | None = Field(
+        None, gt=0, description="Also kill a random rank every N seconds of training."
+    )
+    seed: int = Field(0, description="Seed for random rank choices.")
+    poison_batches: list[int] = Field(
+        default_factory=list,
+        description="Global batch indices whose gradients the trainer blows up (x1e4).",
+    )
+    fail_at_start_rank: int | None = Field(
+        None, ge=0, description="This rank exits with code 3 at start-up, every time."
+    )
+
+
+class Config(Section):
+    """A whole job."""
+
+    job: JobConfig = Field(default_factory=JobConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    restart: RestartConfig = Field(default_factory=RestartConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    stability: StabilityConfig = Field(default_factory=StabilityConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        world = self.cluster.world_size
+        for i, spec in enumerate(self.chaos.kill):
+            if spec.rank != "random" and spec.rank >= world:
+                raise FieldError(
+                    f"chaos.kill.{i}.rank", f"rank {spec.rank} is outside world size {world}"
+                )
+            if spec.step > self.trainer.steps:
+                raise FieldError(
+                    f"chaos.kill.{i}.step",
+                    f"step {spec.step} is past trainer.steps ({self.trainer.steps})",
+                )
+        if self.chaos.fail_at_start_rank is not None and self.chaos.fail_at_start_rank >= world:
+            raise FieldError("chaos.fail_at_start_rank", f"outside world size {world}")
+        if self.cluster.accelerator == "cpu" and self.trainer.parallelism.backend == "nccl":
+            raise FieldError(
+                "trainer.parallelism.backend", "nccl needs cluster.accelerator: cuda"
+            )
+        return self

@@ -1,0 +1,200 @@
+"""The supervisor's Prometheus metrics, on a registry passed in (never the global one).
+
+Only the supervisor serves ``/metrics`` (no multiprocess mode): workers report through
+heartbeats. Names carry the ``orchestrator_`` prefix and base units, counters end in
+``_total``, the only labels are bounded sets (``job``, ``state``, ``cause``, ``category``).
+Every labelled series is created at start-up, so a query never sees a hole before the first
+event of its kind.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from orchestrator import __version__
+from orchestrator.state import Cause, JobState, NodeState
+
+BADPUT_CATEGORIES = (
+    "provisioning", "health_check", "startup", "checkpoint_save", "checkpoint_restore",
+    "wasted_progress", "failure_detection", "recovery", "data_loading", "other",
+)
+FAILURE_CAUSES = tuple(c.value for c in Cause if c not in (Cause.COMPLETED,))
+
+# Step times from ~10 ms (tiny CPU models) to minutes (large models on slow links).
+_STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+# Checkpoint stalls: the target is <= 0.1 s; a synchronous save of a big model is minutes.
+_CKPT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class SupervisorMetrics:
+    def __init__(self, registry: CollectorRegistry, job: str) -> None:
+        self.registry = registry
+        self.job = job
+        r, j = registry, ["job"]
+        self.info = Info("orchestrator", "Job, model, accelerator and version.", j, registry=r)
+        self.state = Gauge("orchestrator_job_state", "1 for the job's current state.",
+                           ["job", "state"], registry=r)
+        self.nodes = Gauge("orchestrator_nodes", "Nodes by state.", ["job", "state"],
+                           registry=r)
+        self.restarts = Counter("orchestrator_restarts_total", "Restarts by the cause before.",
+                                ["job", "cause"], registry=r)
+        self.failures = Counter("orchestrator_failures_total", "Stops by failure cause.",
+                                ["job", "cause"], registry=r)
+        self.productive = Counter("orchestrator_productive_seconds_total",
+                                  "Wall seconds booked to productive training.", j, registry=r)
+        self.badput = Counter("orchestrator_badput_seconds_total",
+                              "Wall seconds booked to a badput category.",
+                              ["job", "category"], registry=r)
+        self.goodput = Gauge("orchestrator_goodput_ratio", "Productive / total wall time.", j,
+                             registry=r)
+        self.step = Gauge("orchestrator_training_step", "Last completed step.", j, registry=r)
+        self.tokens = Gauge("orchestrator_training_tokens", "Tokens trained so far.", j,
+                            registry=r)
+        self.loss = Gauge("orchestrator_loss", "Training loss of the last step.", j, registry=r)
+        self.lr = Gauge("orchestrator_learning_rate", "Learning rate of the last step.", j,
+                        registry=r)
+        self.grad_norm = Gauge("orchestrator_grad_norm", "Total gradient L2 norm.", j,
+                               registry=r)
+        self.grad_norm_mean = Gauge("orchestrator_grad_norm_running_mean",
+                                    "Running mean r of the gradient norm.", j, registry=r)
+        self.spikes = Counter("orchestrator_grad_norm_spikes_total",
+                              "Gradient-norm spikes (onsets).", j, registry=r)
+        self.spike_length = Gauge("orchestrator_grad_norm_spike_length_steps",
+                                  "Length of the current (or last) gradient spike.", j,
+                                  registry=r)
+        self.growth = Gauge("orchestrator_grad_norm_growth_ratio",
+                            "Gradient norm over its lowest value after warm-up.", j, registry=r)
+        self.param_norm = Gauge("orchestrator_param_norm", "Total parameter L2 norm.", j,
+                                registry=r)
+        self.stability_events = Counter("orchestrator_stability_events_total",
+                                        "Stability rule firings by kind.", ["job", "kind"],
+                                        registry=r)
+        self.rollbacks = Counter("orchestrator_rollbacks_total", "Automatic rollbacks.", j,
+                                 registry=r)
+        self.step_duration = Histogram("orchestrator_step_duration_seconds",
+                                       "Duration of a training step.", j,
+                                       buckets=_STEP_BUCKETS, registry=r)
+        self.ckpt_blocking = Histogram("orchestrator_checkpoint_blocking_seconds",
+                                       "Time a save blocked training.", j,
+                                       buckets=_CKPT_BUCKETS, registry=r)
+        self.last_ckpt_step = Gauge("orchestrator_last_checkpoint_step",
+                                    "Step of the newest committed checkpoint.", j, registry=r)
+        self.last_ckpt_ts = Gauge("orchestrator_last_checkpoint_timestamp_seconds",
+                                  "Unix time of the newest committed checkpoint.", j,
+                                  registry=r)
+        self.last_step_ts = Gauge("orchestrator_last_step_timestamp_seconds",
+                                  "Unix time the last step finished.", j, registry=r)
+        self.health_failures = Counter("orchestrator_health_check_failures_total",
+                                       "Failed health checks by check.", ["job", "check"],
+                                       registry=r)
+        self._booked: dict[str, float] = {}
+        self._init_series()
+
+    def _init_series(self) -> None:
+        job = self.job
+        for s in JobState:
+            self.state.labels(job, s.value).set(1 if s is JobState.PENDING else 0)
+        for s in NodeState:
+            self.nodes.labels(job, s.value).set(0)
+        for c in FAILURE_CAUSES:
+            self.restarts.labels(job, c)
+            self.failures.labels(job, c)
+        for cat in BADPUT_CATEGORIES:
+            self.badput.labels(job, cat)
+        for metric in (self.productive, self.spikes, self.rollbacks):
+            metric.labels(job)
+        for g in (self.goodput, self.step, self.tokens, self.loss, self.lr, self.grad_norm,
+                  self.grad_norm_mean, self.spike_length, self.growth, self.param_norm,
+                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts):
+            g.labels(job)
+        self.step_duration.labels(job)
+        self.ckpt_blocking.labels(job)
+
+    # -- updates -----------------------------------------------------------------------------
+    def set_info(self, model: str, accelerator: str) -> None:
+        self.info.labels(self.job).info({"model": model, "accelerator": accelerator,
+                                         "version": __version__})
+
+    def set_state(self, state: JobState) -> None:
+        for s in JobState:
+            self.state.labels(self.job, s.value).set(1 if s is state else 0)
+
+    def set_nodes(self, counts: dict[str, int]) -> None:
+        for state, n in counts.items():
+            self.nodes.labels(self.job, state).set(n)
+
+    def on_event(self, e: dict[str, Any]) -> None:
+        """Fold a journal event into the metrics it moves."""
+        kind, job = e.get("kind"), self.job
+        if kind == "transition":
+            self.set_state(JobState(e["to"]))
+        elif kind == "failure" and e.get("cause") in FAILURE_CAUSES:
+            self.failures.labels(job, e["cause"]).inc()
+        elif kind == "generation_launched" and e.get("after_cause") in FAILURE_CAUSES:
+            self.restarts.labels(job, e["after_cause"]).inc()
+        elif kind == "checkpoint_committed":
+            self.last_ckpt_step.labels(job).set(e["step"])
+            self.last_ckpt_ts.labels(job).set(e.get("ts") or 0)
+            if e.get("blocking_s") is not None:
+                self.ckpt_blocking.labels(job).observe(e["blocking_s"])
+        elif kind == "rollback":
+            self.rollbacks.labels(job).inc()
+        elif kind == "health" and not e.get("ok", True):
+            self.health_failures.labels(job, str(e.get("check", "?"))).inc()
+
+    def on_record(self, rec: dict[str, Any]) -> None:
+        """Fold one of rank 0's step records in."""
+        job = self.job
+        self.step.labels(job).set(rec.get("step", 0))
+        if rec.get("tokens") is not None:
+            self.tokens.labels(job).set(rec["tokens"])
+        for gauge, key in ((self.loss, "loss"), (self.lr, "lr"), (self.grad_norm, "grad_norm"),
+                           (self.param_norm, "param_norm")):
+            value = _number(rec.get(key))
+            if value is not None:
+                gauge.labels(job).set(value)
+        if rec.get("step_time") is not None:
+            self.step_duration.labels(job).observe(rec["step_time"])
+        if rec.get("ts") is not None:
+            self.last_step_ts.labels(job).set(rec["ts"])
+
+    def on_stability(self, summary: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        job = self.job
+        for key, gauge in (("running_mean", self.grad_norm_mean),
+                           ("growth_ratio", self.growth),
+                           ("current_spike_length", self.spike_length)):
+            value = _number(summary.get(key))
+            if value is not None:
+                gauge.labels(job).set(value)
+        for ev in events:
+            self.stability_events.labels(job, ev["kind"]).inc()
+            if ev["kind"] == "grad_spike":
+                self.spikes.labels(job).inc()
+
+    def set_books(self, seconds: dict[str, float], goodput: float) -> None:
+        """Bring the books' counters up to ``seconds`` (they only ever grow)."""
+        job = self.job
+        self._raise_to("productive", self.productive.labels(job), seconds.get("productive", 0.0))
+        for cat in BADPUT_CATEGORIES:
+            self._raise_to(cat, self.badput.labels(job, cat), seconds.get(cat, 0.0))
+        self.goodput.labels(job).set(goodput)
+
+    def _raise_to(self, key: str, counter: Any, value: float) -> None:
+        # Books are recomputed from the journal; a counter only takes the increase.
+        current = self._booked.get(key, 0.0)
+        if value > current:
+            counter.inc(value - current)
+            self._booked[key] = value
+
+
+def _number(v: Any) -> float | None:
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if not math.isinf(f) else (1e308 if f > 0 else -1e308)

@@ -1,0 +1,65 @@
+"""Restart policy: exponential backoff (tenacity), a restart budget, and the no-progress rule.
+
+The budget and the no-progress count come from the journal (through ``JobView``), so they
+survive a supervisor restart. The backoff grows with restarts in a row that made no
+committed progress and falls back to the initial delay once a new checkpoint lands: a job
+that fails once a day should not wait minutes because it failed five times last week.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from tenacity import wait_exponential
+
+from orchestrator.config.schema import RestartConfig
+from orchestrator.jobview import JobView
+from orchestrator.state import Cause
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    delay_s: float
+    reason: str
+
+
+class GenerationFailed(Exception):
+    """A generation of the job stopped for a cause other than completion."""
+
+    def __init__(self, cause: Cause, failure: dict) -> None:
+        super().__init__(f"{cause.value}: {failure.get('message', '')}")
+        self.cause = cause
+        self.failure = failure
+
+
+class OperatorStop(Exception):
+    """The operator asked the job to stop."""
+
+
+class RestartPolicy:
+    def __init__(self, cfg: RestartConfig) -> None:
+        self.cfg = cfg
+        self._wait = wait_exponential(multiplier=cfg.backoff_initial_s,
+                                      exp_base=cfg.backoff_multiplier,
+                                      min=cfg.backoff_initial_s, max=cfg.backoff_max_s)
+
+    def backoff(self, restarts_in_a_row: int) -> float:
+        """Delay before the next launch; ``restarts_in_a_row`` >= 1."""
+        # tenacity's wait strategies read only ``attempt_number`` from the retry state.
+        return float(self._wait(SimpleNamespace(attempt_number=max(1, restarts_in_a_row))))
+
+    def decide(self, view: JobView) -> Decision:
+        """After a failure has been recorded in ``view``: restart, or give up and why."""
+        restarts = len(view.restarts)
+        if restarts >= self.cfg.max_restarts:
+            return Decision(False, 0.0,
+                            f"restart budget spent ({restarts} of {self.cfg.max_restarts})")
+        stalled = view.restarts_without_progress()
+        # ``stalled`` counts failures; the first of them is the generation before any
+        # restart, so N restarts without progress mean N + 1 such failures.
+        if stalled > self.cfg.max_restarts_without_progress:
+            return Decision(False, 0.0,
+                            f"{stalled - 1} restarts in a row made no committed progress")
+        return Decision(True, self.backoff(stalled), "restart")

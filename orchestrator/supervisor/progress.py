@@ -1,0 +1,106 @@
+"""Training progress as the supervisor sees it: per-rank beats and rank 0's step records.
+
+Rank 0's step records are appended to ``steps.jsonl`` in the run directory (the stability
+replay and the goodput ground truth read them); a ``progress`` journal event is written at
+most every ``journal_every_s`` seconds and at each generation's first step, so the journal
+stays small while ``status`` and the books still see where training stood.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.clock import Clock
+from orchestrator.protocol import RankInfo
+
+
+@dataclass
+class RankProgress:
+    rank: int
+    step: int | None = None
+    phase: str | None = None
+    last_step_ts: float | None = None  # worker wall clock
+    beat_received: float | None = None  # our monotonic clock
+    progress_seen: float | None = None  # monotonic time the step or phase last changed
+    step_interval_max: float | None = None
+
+
+@dataclass
+class GenerationProgress:
+    generation: int
+    first_step: int | None = None
+    first_step_ts: float | None = None
+    last_step: int | None = None
+    last_step_ts: float | None = None
+    ranks: dict[int, RankProgress] = field(default_factory=dict)
+
+
+class ProgressTracker:
+    """Folds heartbeats into per-rank progress and records rank 0's step stream."""
+
+    def __init__(self, steps_path: Path, clock: Clock,
+                 record_event: Callable[..., dict[str, Any]],
+                 journal_every_s: float = 5.0) -> None:
+        self._steps_path = steps_path
+        self._clock = clock
+        self._record_event = record_event
+        self._journal_every_s = journal_every_s
+        self._last_journaled = float("-inf")
+        self.current: GenerationProgress | None = None
+        self.last_record: dict[str, Any] | None = None
+        self.tokens = 0
+
+    def start_generation(self, generation: int) -> None:
+        self.current = GenerationProgress(generation)
+
+    def on_ranks(self, generation: int | None, infos: list[RankInfo]) -> None:
+        gen = self.current
+        if gen is None or generation != gen.generation:
+            return
+        now = self._clock.monotonic()
+        for info in infos:
+            rp = gen.ranks.setdefault(info.rank, RankProgress(info.rank, progress_seen=now))
+            if info.beat_ts is not None:
+                rp.beat_received = now
+            if info.step != rp.step or info.phase != rp.phase:
+                rp.progress_seen = now
+            rp.step, rp.phase = info.step, info.phase
+            rp.last_step_ts = info.last_step_ts
+            rp.step_interval_max = info.step_interval_max
+
+    def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> None:
+        """Rank 0's step records: append to steps.jsonl, note first/last step, journal."""
+        gen = self.current
+        if not records or gen is None or generation != gen.generation:
+            return
+        with open(self._steps_path, "a") as f:
+            for rec in records:
+                f.write(json.dumps({"generation": generation, **rec}, default=str) + "\n")
+        last = records[-1]
+        self.last_record = last
+        self.tokens = int(last.get("tokens") or self.tokens)
+        if gen.first_step is None:
+            first = records[0]
+            gen.first_step, gen.first_step_ts = first["step"], first.get("ts")
+            self._record_event("first_step", generation=generation, step=first["step"],
+                               step_ts=first.get("ts"))
+        gen.last_step, gen.last_step_ts = last["step"], last.get("ts")
+        now = self._clock.monotonic()
+        if now - self._last_journaled >= self._journal_every_s:
+            self.journal_progress()
+
+    def journal_progress(self) -> None:
+        gen = self.current
+        if gen is None or gen.last_step is None:
+            return
+        self._last_journaled = self._clock.monotonic()
+        self._record_event("progress", generation=gen.generation, step=gen.last_step,
+                           tokens=self.tokens, step_ts=gen.last_step_ts)
+
+    def rank_steps(self) -> dict[int, int | None]:
+        gen = self.current
+        return {} if gen is None else {r: p.step for r, p in gen.ranks.items()}

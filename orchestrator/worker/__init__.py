@@ -1,0 +1,76 @@
+"""The worker SDK: the only part of ``orchestrator`` a training process imports.
+
+A plain torchrun loop becomes fault-tolerant with a few lines::
+
+    import orchestrator.worker as ow
+
+    ow.init()                                  # heartbeats start (no-op outside orchestrator)
+    with ow.phase("loading"):
+        start = load_checkpoint_if_any()
+    for step in range(start, steps):
+        loss = train_step()
+        ow.step_done(step + 1, loss=loss)      # progress, not mere liveness
+        if (step + 1) % 100 == 0:
+            with ow.phase("checkpointing"):
+                save(step + 1)
+    ow.shutdown()
+
+It imports nothing of the supervisor side and never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from orchestrator.worker.sdk import PHASES, Worker, WorkerContext, running_under_orchestrator
+
+_worker: Worker | None = None
+
+
+def init(**kwargs: Any) -> Worker:
+    """Start this process's worker (idempotent) and return it."""
+    global _worker
+    if _worker is None:
+        _worker = Worker(**kwargs).start()
+    return _worker
+
+
+def current() -> Worker:
+    return _worker if _worker is not None else init()
+
+
+def context() -> WorkerContext:
+    """This generation's facts: rank, generation, checkpoint root, skip windows, ..."""
+    return current().ctx
+
+
+def step_done(step: int, **metrics: Any) -> None:
+    current().step_done(step, **metrics)
+
+
+def set_phase(name: str) -> None:
+    current().set_phase(name)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    with current().phase(name):
+        yield
+
+
+def event(name: str, **data: Any) -> None:
+    current().event(name, **data)
+
+
+def shutdown() -> None:
+    """Flush the last beat and stop the beat thread."""
+    global _worker
+    if _worker is not None:
+        _worker.close()
+        _worker = None
+
+
+__all__ = ["PHASES", "Worker", "WorkerContext", "context", "current", "event", "init",
+           "phase", "running_under_orchestrator", "set_phase", "shutdown", "step_done"]

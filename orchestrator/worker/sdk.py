@@ -1,0 +1,227 @@
+"""The worker SDK: progress heartbeats and phase marks for any training script.
+
+The training thread only updates an in-memory record (``step_done``, ``phase``); a daemon
+thread sends the latest record to the node agent over a local socket every interval. A hung
+training thread therefore shows as "no progress" while the beat thread keeps beating, which
+is how the supervisor tells a hang from a dead node.
+
+Outside the orchestrator (no ``ORCH_AGENT_SOCKET``), every call is a cheap no-op apart from
+bookkeeping, so the same script runs under plain torchrun.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating")
+
+# Step intervals kept to calibrate the hang timeout (largest recent interval).
+_INTERVAL_WINDOW = 50
+# Records buffered while the agent is unreachable; the oldest are dropped past this.
+_MAX_RECORDS = 20_000
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What the orchestrator tells a rank about this generation (from the environment)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    generation: int = 0
+    job: str = "job"
+    managed: bool = False
+    config_path: str | None = None
+    run_dir: str | None = None
+    checkpoint_root: str | None = None
+    resume_max_step: int | None = None
+    skip_windows: list[tuple[int, int]] = field(default_factory=list)
+    lr_scale: float = 1.0
+    chaos: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
+        def num(key: str, default: int) -> int:
+            try:
+                return int(env.get(key, default))
+            except ValueError:
+                return default
+
+        max_step = env.get("ORCH_RESUME_MAX_STEP", "")
+        return cls(
+            rank=num("RANK", 0), local_rank=num("LOCAL_RANK", 0),
+            world_size=num("WORLD_SIZE", 1), generation=num("ORCH_GENERATION", 0),
+            job=env.get("ORCH_JOB", "job"), managed=bool(env.get("ORCH_AGENT_SOCKET")),
+            config_path=env.get("ORCH_CONFIG"), run_dir=env.get("ORCH_RUN_DIR"),
+            checkpoint_root=env.get("ORCH_CHECKPOINT_ROOT"),
+            resume_max_step=int(max_step) if max_step.strip().isdigit() else None,
+            skip_windows=[tuple(w) for w in json.loads(env.get("ORCH_SKIP_WINDOWS") or "[]")],
+            lr_scale=float(env.get("ORCH_LR_SCALE") or 1.0),
+            chaos=json.loads(env.get("ORCH_CHAOS") or "{}"),
+        )
+
+
+class Worker:
+    """One rank's connection to its agent. Thread-safe; cheap to call every step."""
+
+    def __init__(self, env: Mapping[str, str] = os.environ, clock: Any = time.time,
+                 send_records: bool | None = None) -> None:
+        self.ctx = WorkerContext.from_env(env)
+        self._socket_path = env.get("ORCH_AGENT_SOCKET")
+        self._interval = float(env.get("ORCH_HEARTBEAT_INTERVAL") or 0.5)
+        self._clock = clock
+        # Only rank 0's step records travel: loss and norms are global values, identical on
+        # every rank, and one stream is what the stability detectors and the books read.
+        self._send_records = self.ctx.rank == 0 if send_records is None else send_records
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._step: int | None = None
+        self._phase = "init"
+        self._last_step_ts: float | None = None
+        self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVAL_WINDOW)
+        self._records: list[dict[str, Any]] = []
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stack_file: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> Worker:
+        if self.ctx.managed and self._thread is None:
+            self._install_stack_dump()
+            self._thread = threading.Thread(target=self._beat_loop, name="orch-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Send a last beat (with the last records) and stop the beat thread."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+            self._beat()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def _install_stack_dump(self) -> None:
+        # On SIGUSR1, faulthandler writes every thread's Python stack (from C, so it works
+        # even when the training thread is stuck inside a collective holding the GIL free).
+        if not self.ctx.run_dir or not hasattr(faulthandler, "register"):
+            return
+        stacks = Path(self.ctx.run_dir) / "stacks"
+        stacks.mkdir(parents=True, exist_ok=True)
+        path = stacks / f"gen{self.ctx.generation:04d}-rank{self.ctx.rank:05d}.txt"
+        self._stack_file = open(path, "a")  # noqa: SIM115 - must outlive this call
+        faulthandler.register(STACK_DUMP_SIGNAL, file=self._stack_file, all_threads=True,
+                              chain=False)
+
+    # -- the training thread's calls --------------------------------------------------------
+    def step_done(self, step: int, **metrics: Any) -> None:
+        """Mark ``step`` finished; ``metrics`` (loss, grad_norm, lr, tokens, ...) go to the
+        step record. Only updates memory: the beat thread sends it."""
+        now = self._clock()
+        with self._lock:
+            if self._last_step_ts is not None:
+                self._intervals.append(now - self._last_step_ts)
+            self._step, self._last_step_ts = step, now
+            if self._phase != "training":
+                self._phase = "training"
+            if self._send_records:
+                self._records.append({"step": step, "ts": now, **_plain(metrics)})
+                if len(self._records) > _MAX_RECORDS:
+                    del self._records[: len(self._records) - _MAX_RECORDS]
+
+    def set_phase(self, name: str) -> None:
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
+        with self._lock:
+            self._phase = name
+        self._beat()  # a phase change is news: the timeout that applies just changed
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """``with worker.phase("checkpointing"): ...`` then back to the previous phase."""
+        with self._lock:
+            previous = self._phase
+        self.set_phase(name)
+        try:
+            yield
+        finally:
+            self.set_phase(previous)
+
+    def event(self, name: str, **data: Any) -> None:
+        """Send an event now (checkpoint committed, ...); dropped when unmanaged."""
+        self._send({"t": "event", "rank": self.ctx.rank, "generation": self.ctx.generation,
+                    "name": name, "data": _plain(data), "ts": self._clock()})
+
+    # -- the beat thread ---------------------------------------------------------------------
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._beat()
+
+    def _beat(self) -> None:
+        with self._lock:
+            msg = {"t": "beat", "rank": self.ctx.rank, "pid": os.getpid(),
+                   "generation": self.ctx.generation, "step": self._step,
+                   "phase": self._phase, "last_step_ts": self._last_step_ts,
+                   "interval_max": max(self._intervals) if self._intervals else None,
+                   "ts": self._clock(), "records": self._records}
+            records, self._records = self._records, []
+        if not self._send(msg) and records:
+            with self._lock:  # keep them for the next beat
+                self._records[:0] = records
+
+    def _send(self, msg: dict[str, Any]) -> bool:
+        if not self._socket_path:
+            return False
+        data = (json.dumps(msg, default=str) + "\n").encode()
+        with self._send_lock:
+            for _ in range(2):  # one reconnect: the agent may have restarted its socket
+                try:
+                    if self._sock is None:
+                        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        s.settimeout(5.0)
+                        s.connect(self._socket_path)
+                        self._sock = s
+                    self._sock.sendall(data)
+                    return True
+                except OSError:
+                    if self._sock is not None:
+                        with contextlib.suppress(OSError):
+                            self._sock.close()
+                    self._sock = None
+        return False
+
+
+def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Tensors and numpy scalars to Python numbers (json-safe, NaN kept as a float)."""
+    out = {}
+    for k, v in d.items():
+        if hasattr(v, "item") and callable(v.item):
+            try:
+                v = v.item()
+            except (ValueError, RuntimeError):
+                v = str(v)
+        out[k] = v
+    return out
+
+
+def running_under_orchestrator() -> bool:
+    return bool(os.environ.get("ORCH_AGENT_SOCKET"))
+

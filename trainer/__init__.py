@@ -1,0 +1,1 @@
+"""The training worker: model, data, optimizer and schedule, parallelism and checkpoints."""

@@ -1,0 +1,2 @@
+"""Checkpoints: layout and manifests (``layout``, no torch) and DCP save/restore
+(``checkpointer``)."""

@@ -1,0 +1,111 @@
+"""torch.distributed set-up: the process groups, the device, threads and determinism.
+
+The rendezvous is torch's own (env://: MASTER_ADDR/PORT, RANK, WORLD_SIZE from the agent or
+torchrun). Collective timeouts are always explicit, never NCCL's ten-minute default, and sit
+just above the orchestrator's hang timeout so the orchestrator, which can dump stacks and
+name the stuck rank, acts first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import TrainerConfig
+
+# Standalone (plain torchrun, no orchestrator to say its hang timeout): five minutes, long
+# enough for a slow first collective on a big cluster, half of NCCL's silent ten.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    ckpt_group: dist.ProcessGroup | None  # dedicated gloo group for checkpoint I/O
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def pick_device(cfg: TrainerConfig, local_rank: int) -> torch.device:
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device is cuda but no CUDA device is visible")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if want == "xla":
+        import torch_xla.core.xla_model as xm  # lazily: only on Trainium/TPU hosts
+
+        return xm.xla_device()
+    return torch.device("cpu")
+
+
+def configure_process(cfg: TrainerConfig, local_world_size: int) -> None:
+    """Threads and determinism, before any tensor work."""
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # cuBLAS needs a fixed workspace for deterministic GEMMs.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def collective_timeout_s() -> float:
+    """From the orchestrator (hang timeout + margin) or the standalone default."""
+    try:
+        return float(os.environ.get("ORCH_COLLECTIVE_TIMEOUT_S") or DEFAULT_COLLECTIVE_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+
+
+def init_distributed(cfg: TrainerConfig) -> DistContext:
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    configure_process(cfg, local_world)
+    device = pick_device(cfg, local_rank)
+    backend = cfg.parallelism.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    ckpt_group = None
+    if world > 1 or "MASTER_ADDR" in os.environ:
+        timeout = datetime.timedelta(seconds=collective_timeout_s())
+        # "cpu:gloo,cuda:nccl" keeps a CPU backend on the default group, which DCP's
+        # async save requires for its CPU-side coordination.
+        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=pg_backend, timeout=timeout, **kwargs)
+        # Checkpoint collectives run on their own gloo group, in the async-save thread, so
+        # they never queue behind (or interleave with) the training step's collectives.
+        ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    return DistContext(rank, local_rank, world, device, backend, ckpt_group)
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

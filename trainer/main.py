@@ -1,0 +1,56 @@
+"""The training worker's entry point: parse, build, run, close (in ``try/finally``).
+
+Runs under the orchestrator (one process per rank, started by the node agent) or on its own
+under torchrun: ``torchrun --nproc-per-node 2 -m trainer --config configs/local.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import orchestrator.worker as ow
+
+
+def _log(rank: int):
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} rank {rank}] {msg}", flush=True)
+    return log
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    parser.add_argument("--config", help="Job YAML (default: ORCH_CONFIG from the agent).")
+    args = parser.parse_args(argv)
+
+    worker = ow.init()
+    ctx = worker.ctx
+    log = _log(ctx.rank)
+    if ctx.chaos.get("fail_at_start_rank") == ctx.rank:
+        log("chaos: failing at start-up (chaos.fail_at_start_rank)")
+        return 3
+
+    from trainer.build import build_parts
+    from trainer.distributed import init_distributed, teardown
+    from trainer.loop import train
+    from trainer.settings import load_settings
+
+    settings = load_settings(args.config or ctx.config_path, job=ctx.job if ctx.managed else None,
+                             checkpoint_root=ctx.checkpoint_root)
+    dctx = init_distributed(settings.trainer)
+    parts = None
+    try:
+        parts = build_parts(settings, dctx, ctx, worker, log)
+        train(parts)
+        log(f"done: step {parts.progress.step}, {parts.progress.tokens} tokens")
+    finally:
+        if parts is not None:
+            parts.checkpointer.close()
+        teardown()
+        ow.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

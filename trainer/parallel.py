@@ -1,0 +1,87 @@
+"""Spreading the model over ranks: FSDP2 (``fully_shard``), DDP, or none.
+
+FSDP2 shards each transformer block, then the root; with bf16 the compute runs in bf16 and
+gradients are reduced in fp32 (master weights and optimizer state stay fp32). Activation
+checkpointing and ``torch.compile`` apply per block, before sharding, as torchtitan does.
+DeepSpeed and Neuron are set up by their own modules (``trainer.backends``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from trainer.config import ParallelismConfig, PrecisionConfig
+from trainer.distributed import DistContext
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """none | full (every block) | selective (every other block: half the recompute)."""
+    if mode == "none":
+        return
+    for i, block in enumerate(list(model.layers)):
+        if mode == "full" or i % 2 == 0:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    # In place (Module.compile): torch.compile(block) would add "_orig_mod." to every
+    # state-dict key and break checkpoints made without compile.
+    for block in model.layers:
+        block.compile()
+
+
+def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[prec.param_dtype],
+                              reduce_dtype=_DTYPES[prec.reduce_dtype])
+    for i, block in enumerate(model.layers):
+        # The last block's parameters are needed again at once by backward: keep them.
+        last = i == len(model.layers) - 1
+        fully_shard(block, mp_policy=mp,
+                    reshard_after_forward=par.reshard_after_forward and not last)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=par.reshard_after_forward)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-device model's storage on ``device`` and initialise it from ``seed``.
+
+    Every rank seeds identically, so replicated (DDP) weights agree and sharded (FSDP2)
+    weights are the shards of one model.
+    """
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        unwrap(model).init_weights()
+
+
+def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
+                dctx: DistContext, seed: int) -> nn.Module:
+    """Apply AC, compile and the sharding strategy to a meta-device model; materialise it.
+
+    Sharding happens before materialising, so a 7B model never exists unsharded on a rank.
+    Returns the module to train.
+    """
+    apply_activation_checkpointing(model, par.activation_checkpointing)
+    if par.compile:
+        apply_compile(model)
+    strategy = par.strategy
+    if strategy not in ("fsdp2", "ddp", "none"):
+        raise ValueError(f"parallelism.strategy {strategy!r} is set up by trainer.backends")
+    if strategy == "fsdp2" and dctx.distributed:
+        apply_fsdp(model, par, prec)
+    materialize(model, dctx.device, seed)
+    if strategy == "ddp" and dctx.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [dctx.device.index] if dctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
