@@ -66,7 +66,8 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
             log(f"warning: checkpoint config hash {manifest.get('config_hash')} differs from "
                 f"this run's {settings.config_hash}")
         log(f"resumed from step {progress.step} ({manifest.get('tokens')} tokens)")
-        worker.event("resumed", step=progress.step, path=manifest.get("path", ""))
+        if dctx.is_main:
+            worker.event("resumed", step=progress.step, path=checkpointer.restored_url)
     else:
         log("no checkpoint found: starting from scratch")
     guard = None

@@ -157,6 +157,9 @@ class ParallelismConfig(_Section):
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
     zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    tensor_parallel: int = Field(
+        1, ge=1, description="Tensor-parallel degree (neuron strategy: neuronx-distributed TP)."
+    )
     reshard_after_forward: bool = Field(
         True, description="FSDP2: free gathered parameters after forward (ZeRO-3 style)."
     )

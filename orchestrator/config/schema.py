@@ -231,6 +231,10 @@ class Config(Section):
                     f"chaos.kill.{i}.step",
                     f"step {spec.step} is past trainer.steps ({self.trainer.steps})",
                 )
+        tp = self.trainer.parallelism.tensor_parallel
+        if world % tp:
+            raise FieldError("trainer.parallelism.tensor_parallel",
+                             f"{tp} does not divide the world size {world}")
         if self.chaos.fail_at_start_rank is not None and self.chaos.fail_at_start_rank >= world:
             raise FieldError("chaos.fail_at_start_rank", f"outside world size {world}")
         if self.cluster.accelerator == "cpu" and self.trainer.parallelism.backend == "nccl":

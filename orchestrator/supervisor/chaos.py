@@ -1,9 +1,11 @@
-"""Fault injection driven by the supervisor: signal a rank once it reaches a step.
+"""Fault injection: which rank gets which signal at which step, each exactly once per job.
 
-Injections are decided here, not in the worker, so each fires exactly once per job even
-though the step it names is trained again after the restart it causes; the journal's
-``chaos`` events make that survive a supervisor restart too. The kill lands within one
-heartbeat of the step, which is all a fault-tolerance test needs.
+Step kills are carried out by the rank itself (the worker SDK signals its own process right
+after the step, so the kill lands on that exact step, not a heartbeat later); the
+supervisor decides which are still due and hands only those to each generation, and the
+rank's ``chaos`` event (sent before the signal) marks one fired in the journal, so a
+restart that trains the same step again does not fire it twice, even across a supervisor
+restart. Interval kills are sent by the supervisor through the agent.
 """
 
 from __future__ import annotations
@@ -35,18 +37,14 @@ class ChaosDriver:
         self._interval_count = sum(1 for f in fired if f.startswith("interval-"))
         self._interval_started: float | None = None
 
-    def due(self, rank_steps: dict[int, int | None]) -> list[Injection]:
-        """Injections whose step has been reached by their target rank."""
-        out = []
-        for i, spec in enumerate(self.cfg.kill):
-            key = f"kill-{i}"
-            if key in self.fired:
-                continue
-            step = rank_steps.get(self._targets[i])
-            if step is not None and step >= spec.step:
-                self.fired.add(key)
-                out.append(Injection(key, self._targets[i], spec.signal, step))
-        return out
+    def pending(self) -> list[dict[str, object]]:
+        """Step kills not yet fired, with their ranks resolved, for the next generation."""
+        return [{"id": f"kill-{i}", "rank": self._targets[i], "step": spec.step,
+                 "signal": spec.signal}
+                for i, spec in enumerate(self.cfg.kill) if f"kill-{i}" not in self.fired]
+
+    def mark_fired(self, key: str) -> None:
+        self.fired.add(key)
 
     def due_interval(self, running_since: float | None, now: float) -> list[Injection]:
         """A random-rank kill every ``kill_interval_s`` seconds of RUNNING."""

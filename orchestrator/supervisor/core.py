@@ -318,7 +318,8 @@ class Supervisor:
             "ORCH_LR_SCALE": repr(self.view.lr_scale),
             "ORCH_RESUME_MAX_STEP": str(self.intake.resume_max_step or ""),
             "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
-                                      "fail_at_start_rank": chaos.fail_at_start_rank}),
+                                      "fail_at_start_rank": chaos.fail_at_start_rank,
+                                      "kills": self.intake.chaos.pending()}),
         }
 
     async def _watch(self, generation: int, adopting: bool = False) -> Outcome | None:

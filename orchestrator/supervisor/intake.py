@@ -217,6 +217,11 @@ class Intake:
         if ev.name == "checkpoint_committed":
             self.sup.record("checkpoint_committed", generation=ev.generation, rank=ev.rank,
                             **data)
+        elif ev.name == "chaos":
+            self.chaos.mark_fired(str(data.get("id")))
+            self.sup.record("chaos", generation=ev.generation, node_id=node_id, **data)
+            self.sup.log.warning("chaos: rank signalled itself", rank=ev.rank,
+                                 signal=data.get("signal"), step=data.get("step"))
         elif ev.name == "checkpoint_pruned":
             self.sup.record("checkpoint_pruned", generation=ev.generation, **data)
         else:
@@ -226,12 +231,10 @@ class Intake:
                             **data)
 
     async def tick(self, generation: int) -> None:
-        """Periodic work while a generation runs: chaos injections."""
+        """Periodic work while a generation runs: interval chaos kills."""
         if self.sup.view.state is JobState.RUNNING and self.running_since is None:
             self.running_since = self.sup.clock.monotonic()
-        injections = self.chaos.due(self.progress.rank_steps())
-        injections += self.chaos.due_interval(self.running_since, self.sup.clock.monotonic())
-        for inj in injections:
+        for inj in self.chaos.due_interval(self.running_since, self.sup.clock.monotonic()):
             node = self._node_of_rank(inj.rank)
             if node is None:
                 continue

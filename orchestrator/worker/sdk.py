@@ -97,6 +97,8 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file: Any = None
+        self._kills = [k for k in self.ctx.chaos.get("kills", []) if k.get("rank") ==
+                       self.ctx.rank]
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Worker:
@@ -146,6 +148,16 @@ class Worker:
                 self._records.append({"step": step, "ts": now, **_plain(metrics)})
                 if len(self._records) > _MAX_RECORDS:
                     del self._records[: len(self._records) - _MAX_RECORDS]
+        if self._kills:
+            self._maybe_inject(step)
+
+    def _maybe_inject(self, step: int) -> None:
+        """Chaos from the orchestrator: signal this process right after ``step``."""
+        for kill in self._kills:
+            if kill.get("rank") == self.ctx.rank and kill.get("step") == step:
+                self._beat()  # the supervisor sees the step the kill landed on
+                self.event("chaos", **kill)  # marks it fired before we die
+                os.kill(os.getpid(), getattr(signal, str(kill.get("signal", "SIGKILL"))))
 
     def set_phase(self, name: str) -> None:
         if name not in PHASES:

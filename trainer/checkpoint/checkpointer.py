@@ -56,6 +56,7 @@ class Checkpointer:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "ckpt-commit")
         self._writer_cache: dict[str, Any] = {}
         self.last_committed: int | None = None
+        self.restored_url: str | None = None
 
     # -- saving ----------------------------------------------------------------------------
     def _writer(self, url: str) -> Any:
@@ -187,5 +188,6 @@ class Checkpointer:
             reader = dcp.FileSystemReader(layout.filesystem(url)[1])
         dcp.load(state, storage_reader=reader, process_group=self.group)
         self.last_committed = manifest["step"]
+        self.restored_url = url
         return manifest
 

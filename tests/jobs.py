@@ -1,0 +1,169 @@
+"""Running real jobs from tests: `orchestrator up` as a subprocess, and reading results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Small and fast: a tiny model, short sequences, a checkpoint every 10 steps.
+FAST = {
+    "job": {"name": "t"},
+    "cluster": {"nodes": 2, "procs_per_node": 1},
+    "trainer": {
+        "steps": 40, "device": "cpu", "num_threads": 1, "log_every": 10, "param_norm_every": 5,
+        "model": {"preset": "tiny"},
+        "data": {"seq_len": 64, "micro_batch_size": 4, "prepare_from": None},
+        "schedule": {"warmup_steps": 5},
+        "optimizer": {"lr": 3.0e-3},
+        "parallelism": {"strategy": "fsdp2", "backend": "gloo"},
+    },
+    "checkpoint": {"interval_steps": 10, "keep_last": 3},
+    "timeouts": {"heartbeat_interval_s": 0.25, "node_lost_s": 5, "stop_grace_s": 3,
+                 "register_s": 60, "launch_s": 60},
+    "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+    "metrics": {"port": 0, "host": "127.0.0.1"},
+}
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) \
+            else v
+    return out
+
+
+def write_config(path: Path, dataset: Path, **sections: Any) -> Path:
+    cfg = deep_merge(FAST, {"trainer": {"data": {"path": str(dataset)}}})
+    cfg = deep_merge(cfg, sections)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def up(config: Path, run_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `orchestrator up` to the end; on timeout, kill it and everything it started."""
+    cmd = [sys.executable, "-m", "orchestrator", "up", str(config), "--run-dir", str(run_dir),
+           *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env(), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_run(run_dir, proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"orchestrator up timed out after {timeout} s:\n{out[-5000:]}")
+    finally:
+        kill_strays(run_dir)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def kill_run(run_dir: Path, proc: subprocess.Popen | None = None) -> None:
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    kill_strays(run_dir)
+
+
+def kill_strays(run_dir: Path) -> None:
+    """Agents run in their own sessions: kill any this run left behind (and their ranks)."""
+    for event in journal(run_dir):
+        if event["kind"] in ("agent_spawned",):
+            pids = [event["pid"]]
+        elif event["kind"] == "ranks_started":
+            pids = [r["pid"] for r in event["ranks"]]
+        else:
+            continue
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def journal(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def states(run_dir: Path) -> list[str]:
+    seq = ["PENDING"]
+    seq += [e["to"] for e in journal(run_dir) if e["kind"] == "transition"]
+    return seq
+
+
+def status(run_dir: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(run_dir), "--json"],
+                         capture_output=True, text=True, env=env(), timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def final_state_dict(step_dir: Path) -> dict[str, Any]:
+    """A DCP checkpoint loaded into one flat {key: tensor or value} dict (no process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = step_dir.parent / (step_dir.name + ".pt")
+    dcp_to_torch_save(str(step_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    out.unlink()
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix.rstrip(".")] = value
+
+    walk("", state)
+    return flat
+
+
+def assert_bit_identical(a: dict[str, Any], b: dict[str, Any], prefixes: tuple[str, ...]) -> int:
+    """Every entry under ``prefixes`` equal, tensors bit for bit; returns how many compared."""
+    import torch
+
+    keys = sorted(k for k in a if k.startswith(prefixes))
+    assert keys, f"nothing under {prefixes}"
+    assert keys == sorted(k for k in b if k.startswith(prefixes))
+    for k in keys:
+        x, y = a[k], b[k]
+        if torch.is_tensor(x):
+            assert x.dtype == y.dtype and x.shape == y.shape, k
+            assert torch.equal(x.view(torch.uint8) if x.dtype.is_floating_point and x.dim()
+                               else x, y.view(torch.uint8) if y.dtype.is_floating_point and
+                               y.dim() else y), f"{k} differs"
+        else:
+            assert x == y, f"{k}: {x!r} != {y!r}"
+    return len(keys)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
