@@ -56,6 +56,7 @@ class JobView:
     stability_events: int = 0
     last_failure_reason: str | None = None
     health: list[dict[str, Any]] = field(default_factory=list)
+    first_steps: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def from_events(cls, events: Iterable[dict[str, Any]]) -> JobView:
@@ -116,6 +117,10 @@ class JobView:
 
     def _on_failure(self, e: dict[str, Any]) -> None:
         self.failures.append({k: v for k, v in e.items() if k not in ("seq", "kind")})
+        node = self.nodes.get(e.get("node_id") or "")
+        if node is not None:
+            node.history.append({"ts": e.get("ts"), "event": "failure",
+                                 "reason": f"{e.get('cause')}: {e.get('message')}"})
 
     def _on_checkpoint_committed(self, e: dict[str, Any]) -> None:
         self.checkpoints = [c for c in self.checkpoints if c["step"] != e["step"]]
@@ -126,6 +131,9 @@ class JobView:
 
     def _on_checkpoint_pruned(self, e: dict[str, Any]) -> None:
         self.pruned_steps.update(e.get("steps", []))
+
+    def _on_first_step(self, e: dict[str, Any]) -> None:
+        self.first_steps[e["generation"]] = e["step"]
 
     def _on_progress(self, e: dict[str, Any]) -> None:
         self.last_step = e.get("step", self.last_step)

@@ -75,6 +75,9 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         from stability import SkipStepGuard
 
         guard = SkipStepGuard(settings.stability)
-    poison = set(ctx.chaos.get("poison_batches") or [])
+    chaos = ctx.chaos
     return Parts(cfg, dctx, model, optimizer, scheduler, loader, progress, checkpointer, state,
-                 worker, settings.checkpoint.interval_steps, log, guard, poison)
+                 worker, settings.checkpoint.interval_steps, log, guard,
+                 set(chaos.get("poison_batches") or []),
+                 float(chaos.get("slow_checkpoint_s") or 0.0),
+                 float(chaos.get("slow_first_step_s") or 0.0))

@@ -40,6 +40,8 @@ class Parts:
     log: Callable[[str], None]
     skip_guard: Any = None  # stability.SkipStepGuard when a rule asks for skip_step
     poison_batches: set[int] = field(default_factory=set)
+    slow_checkpoint_s: float = 0.0  # chaos: extra blocking time per save
+    slow_first_step_s: float = 0.0  # chaos: extra time in each generation's first step
 
 
 def _grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -103,11 +105,17 @@ def train_step(p: Parts) -> dict[str, Any]:
 def train(p: Parts) -> None:
     """Steps until ``cfg.steps``; checkpoints every interval and always at the last step."""
     cfg = p.cfg
+    first = True
     while p.progress.step < cfg.steps:
         rec = train_step(p)
+        if first and p.slow_first_step_s:
+            time.sleep(p.slow_first_step_s)
+        first = False
         step = p.progress.step
         if step % p.checkpoint_interval == 0 or step == cfg.steps:
             with p.worker.phase("checkpointing"):
+                if p.slow_checkpoint_s:
+                    time.sleep(p.slow_checkpoint_s)
                 rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
                                                           p.progress.tokens)
         p.checkpointer.poll()

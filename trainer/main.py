@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 import orchestrator.worker as ow
 
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="Job YAML (default: ORCH_CONFIG from the agent).")
     args = parser.parse_args(argv)
 
+    # FSDP2 on a CPU mesh warns that DTensor's RNG tracker is incomplete there; our init
+    # draws from the global generator on purpose (identical on every rank), so the warning
+    # is noise in every rank's log.
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have")
     worker = ow.init()
     ctx = worker.ctx
     log = _log(ctx.rank)

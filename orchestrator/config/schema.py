@@ -144,6 +144,9 @@ class TimeoutsConfig(Section):
     training_multiplier: float = Field(
         5.0, gt=1, description="Calibrated training timeout = multiplier x largest recent step."
     )
+    stack_dump_wait_s: float = Field(
+        3.0, ge=0, description="On a hang, wait this long for every rank's stack dump."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TimeoutsConfig:
@@ -166,6 +169,11 @@ class RestartConfig(Section):
     backoff_initial_s: float = Field(1.0, ge=0, description="First restart delay.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest restart delay.")
     backoff_multiplier: float = Field(2.0, ge=1, description="Delay growth per restart.")
+    node_failure_limit: int = Field(
+        2, gt=0, description="A node blamed for this many failures in the window is excluded "
+                             "(when a spare can take its place).")
+    node_failure_window_s: float = Field(
+        3600.0, gt=0, description="Window for node_failure_limit.")
 
 
 class MetricsConfig(Section):
@@ -201,6 +209,12 @@ class ChaosConfig(Section):
     )
     fail_at_start_rank: int | None = Field(
         None, ge=0, description="This rank exits with code 3 at start-up, every time."
+    )
+    slow_checkpoint_s: float = Field(
+        0.0, ge=0, description="Every save blocks training this much longer (tests timeouts)."
+    )
+    slow_first_step_s: float = Field(
+        0.0, ge=0, description="Each generation's first step takes this much longer."
     )
 
 

@@ -25,6 +25,7 @@ from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
 from orchestrator.rundir import RunDir
 from orchestrator.state import Cause, JobState, NodeState, check_transition
+from orchestrator.supervisor.hangs import collective_timeout_s
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.placement import Placement, place
@@ -206,7 +207,7 @@ class Supervisor:
         """
         generation = self.view.generation
         launch = self.view.launches[-1]
-        self.intake.begin_generation(generation, launch["world_size"])
+        self.intake.begin_generation(generation, launch["world_size"], adopting=True)
         assignments: dict[str, dict[str, Any]] = launch["assignments"]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.timeouts.node_lost_s
@@ -237,14 +238,62 @@ class Supervisor:
             return
         if self.view.state is not JobState.STOPPING:
             self.transition(JobState.STOPPING, cause=outcome.cause)
+        if outcome.cause is Cause.HANG:
+            outcome.detail["stacks"] = await self._dump_stacks(generation)
         await self._stop_generation(generation)
         if outcome.cause is Cause.OPERATOR:
             raise OperatorStop()
+        outcome = self._explain_by_lost_node(outcome)
         failure = self.intake.root_cause(generation, outcome.cause, outcome.detail)
         self.record("failure", **failure)
         self.log.error("generation failed", **{k: v for k, v in failure.items()
                                                if k != "log_tail"})
+        self._blame_node(failure)
         raise GenerationFailed(outcome.cause, failure)
+
+    def _explain_by_lost_node(self, outcome: Outcome) -> Outcome:
+        """A node of the generation that went silent explains its peers' failing exits.
+
+        When a node dies, ranks elsewhere fail within milliseconds (their collectives lose
+        a peer) and report before the node's silence can be established; the root cause is
+        still the node, which shows by its not confirming the stop.
+        """
+        if outcome.cause is not Cause.WORKER_EXIT:
+            return outcome
+        members = set(self.view.launches[-1]["nodes"]) if self.view.launches else set()
+        lost = [n for n in self.intake.nodes.with_state(NodeState.LOST) if n.node_id in members]
+        if not lost:
+            return outcome
+        node = lost[0]
+        exit_msg = outcome.detail.get("rank")
+        return Outcome(Cause.NODE_LOST, {
+            "node_id": node.node_id,
+            "message": f"node {node.node_id} was lost (agent silent); the exit of rank "
+                       f"{exit_msg} on another node followed from it"})
+
+    def _blame_node(self, failure: dict[str, Any]) -> None:
+        """Exclude a node blamed for too many failures, when a spare can take its rank."""
+        node_id = failure.get("node_id")
+        node = self.intake.nodes.nodes.get(node_id or "")
+        if node is None or node.state is not NodeState.ACTIVE:
+            return
+        r = self.cfg.restart
+        now = self.clock.time()
+        recent = [f for f in self.view.failures if f.get("node_id") == node_id
+                  and now - (f.get("ts") or now) <= r.node_failure_window_s]
+        if len(recent) < r.node_failure_limit:
+            return
+        spares = [n for n in self.intake.nodes.with_state(NodeState.SPARE)]
+        if not spares:
+            self.log.warning("node keeps failing but no spare can replace it", node=node_id,
+                             failures=len(recent))
+            return
+        self.intake.set_node_state(
+            node, NodeState.EXCLUDED, node_rank=None,
+            reason=f"{len(recent)} failures in {r.node_failure_window_s:.0f} s")
+        node.node_rank = None
+        self.log.warning("node excluded", node=node_id, failures=len(recent),
+                         replacement=spares[0].node_id)
 
     async def _select_nodes(self) -> Placement:
         """HEALTH_CHECK: wait for enough live nodes, place node ranks and spares."""
@@ -298,6 +347,8 @@ class Supervisor:
             await nodes.assign(node_id, **assignment)
         for node_id in placement.spares:
             await nodes.assign(node_id, action="idle", generation=None)
+        for node in nodes.with_state(NodeState.EXCLUDED):
+            await nodes.assign(node.node_id, action="idle", generation=None)
 
     def _entrypoint(self) -> list[str]:
         if self.cfg.job.entrypoint:
@@ -317,8 +368,12 @@ class Supervisor:
             "ORCH_SKIP_WINDOWS": json.dumps(self.view.skip_windows),
             "ORCH_LR_SCALE": repr(self.view.lr_scale),
             "ORCH_RESUME_MAX_STEP": str(self.intake.resume_max_step or ""),
+            "ORCH_COLLECTIVE_TIMEOUT_S": str(round(collective_timeout_s(
+                self.cfg.timeouts, self.intake.training_timeout), 1)),
             "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
                                       "fail_at_start_rank": chaos.fail_at_start_rank,
+                                      "slow_checkpoint_s": chaos.slow_checkpoint_s,
+                                      "slow_first_step_s": chaos.slow_first_step_s,
                                       "kills": self.intake.chaos.pending()}),
         }
 
@@ -345,6 +400,35 @@ class Supervisor:
                                    {"message": "ranks did not start within "
                                                f"{self.cfg.timeouts.launch_s:.0f} s"})
             await intake.tick(generation)
+
+    async def _dump_stacks(self, generation: int) -> list[str]:
+        """Every rank writes its Python stacks (faulthandler on SIGUSR1) before the kill.
+
+        SIGCONT follows so a stopped process wakes to take the pending SIGUSR1; it is about
+        to be stopped for good anyway.
+        """
+        nodes = self.intake.nodes
+        ppn = self.cfg.cluster.procs_per_node
+        for node in nodes.active():
+            if node.node_rank is None or node.state is not NodeState.ACTIVE:
+                continue
+            for local in range(ppn):
+                rank = node.node_rank * ppn + local
+                await nodes.send_signal(node.node_id, rank, "SIGUSR1")
+                await nodes.send_signal(node.node_id, rank, "SIGCONT")
+        stacks = self.rundir.stacks
+        wanted = [stacks / f"gen{generation:04d}-rank{r:05d}.txt"
+                  for r in range(self.cfg.cluster.world_size)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.timeouts.stack_dump_wait_s
+        while loop.time() < deadline:
+            if all(p.exists() and p.stat().st_size > 0 for p in wanted):
+                break
+            await asyncio.sleep(0.1)
+        found = [str(p) for p in wanted if p.exists() and p.stat().st_size > 0]
+        self.log.warning("hang: stacks dumped", files=len(found), of=len(wanted),
+                         dir=str(stacks))
+        return found
 
     async def _stop_generation(self, generation: int) -> None:
         """STOPPING: stop every rank of the generation, wait for agents to confirm."""

@@ -25,6 +25,7 @@ from orchestrator.protocol import (
 )
 from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.chaos import ChaosDriver
+from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
@@ -59,6 +60,8 @@ class Intake:
         self.exits: dict[int, dict[str, Any]] = {}
         self.resume_max_step: int | None = None
         self.running_since: float | None = None
+        self.training_timeout = TrainingTimeout(
+            sup.cfg.timeouts, sup.view.calibration.get("max_interval_s"))
 
     # -- messages from agents (called by the API server) ------------------------------------
     def on_register(self, req: RegisterRequest) -> RegisterResponse:
@@ -110,11 +113,12 @@ class Intake:
         return await self.nodes.wait_assignment(node_id, after, timeout)
 
     # -- generations -------------------------------------------------------------------------
-    def begin_generation(self, generation: int, world_size: int) -> None:
+    def begin_generation(self, generation: int, world_size: int, adopting: bool = False) -> None:
         self.generation, self.world_size = generation, world_size
         self.started, self.exits = {}, {}
         self.running_since = None
-        self.progress.start_generation(generation)
+        known = adopting and generation in self.sup.view.first_steps
+        self.progress.start_generation(generation, world_size, first_step_known=known)
 
     async def apply_placement(self, placement: Placement) -> None:
         for node_id, rank in placement.active.items():
@@ -169,7 +173,28 @@ class Intake:
             node = lost[0]
             return Outcome(Cause.NODE_LOST, {"node_id": node.node_id,
                                              "message": f"node {node.node_id} went silent"})
-        return None
+        return self._hang(generation)
+
+    def _hang(self, generation: int) -> Outcome | None:
+        from orchestrator.supervisor.core import Outcome
+
+        gen = self.progress.current
+        if gen is None or gen.generation != generation or \
+                self.sup.view.state not in (JobState.LAUNCHING, JobState.RUNNING):
+            return None
+        suspects = find_hangs(gen, self.cfg.timeouts, self.training_timeout,
+                              self.sup.clock.monotonic())
+        if not suspects:
+            return None
+        first = suspects[0]
+        node = self._node_of_rank(first.rank)
+        return Outcome(Cause.HANG, {
+            "rank": first.rank, "node_id": node.node_id if node else None,
+            "message": first.describe(),
+            "suspects": [{"rank": s.rank, "phase": s.phase, "step": s.step,
+                          "idle_s": round(s.idle_s, 2), "silent": s.silent,
+                          "beat_age_s": None if s.beat_age_s is None else round(s.beat_age_s, 2)}
+                         for s in suspects]})
 
     def _generation_nodes(self) -> set[str]:
         launch = self.sup.view.launches[-1] if self.sup.view.launches else {}
@@ -231,7 +256,10 @@ class Intake:
                             **data)
 
     async def tick(self, generation: int) -> None:
-        """Periodic work while a generation runs: interval chaos kills."""
+        """Periodic work while a generation runs: calibration, interval chaos kills."""
+        if self.training_timeout.needs_journal():
+            self.sup.record("calibration", max_interval_s=self.training_timeout.max_interval,
+                            training_timeout_s=round(self.training_timeout.value(), 3))
         if self.sup.view.state is JobState.RUNNING and self.running_since is None:
             self.running_since = self.sup.clock.monotonic()
         for inj in self.chaos.due_interval(self.running_since, self.sup.clock.monotonic()):
@@ -267,6 +295,9 @@ class Intake:
                "last_step": self.progress.current.last_step if self.progress.current else None,
                "other_exits": [{k: e[k] for k in ("rank", "exit_code", "signal")}
                                for e in failing[1:]]}
+        for key in ("suspects", "stacks"):
+            if key in detail:
+                out[key] = detail[key]
         node = self.nodes.nodes.get(out["node_id"] or "")
         if node is not None:
             node.failure_times.append(self.sup.clock.time())

@@ -24,7 +24,8 @@ class RankProgress:
     step: int | None = None
     phase: str | None = None
     last_step_ts: float | None = None  # worker wall clock
-    beat_received: float | None = None  # our monotonic clock
+    beat_received: float | None = None  # our monotonic clock, when a new beat arrived
+    beat_ts: float | None = None  # the worker's timestamp of its newest beat
     progress_seen: float | None = None  # monotonic time the step or phase last changed
     step_interval_max: float | None = None
 
@@ -54,8 +55,17 @@ class ProgressTracker:
         self.last_record: dict[str, Any] | None = None
         self.tokens = 0
 
-    def start_generation(self, generation: int) -> None:
+    def start_generation(self, generation: int, world_size: int,
+                         first_step_known: bool = False) -> None:
+        """Every rank starts "in progress" at launch, so one that never beats still times out
+        (in the ``init`` phase). ``first_step_known``: re-attaching to a generation whose
+        first step is already journaled (after a supervisor restart)."""
+        now = self._clock.monotonic()
         self.current = GenerationProgress(generation)
+        if first_step_known:
+            self.current.first_step = -1
+        for rank in range(world_size):
+            self.current.ranks[rank] = RankProgress(rank, progress_seen=now)
 
     def on_ranks(self, generation: int | None, infos: list[RankInfo]) -> None:
         gen = self.current
@@ -64,8 +74,8 @@ class ProgressTracker:
         now = self._clock.monotonic()
         for info in infos:
             rp = gen.ranks.setdefault(info.rank, RankProgress(info.rank, progress_seen=now))
-            if info.beat_ts is not None:
-                rp.beat_received = now
+            if info.beat_ts is not None and info.beat_ts != rp.beat_ts:
+                rp.beat_received, rp.beat_ts = now, info.beat_ts
             if info.step != rp.step or info.phase != rp.phase:
                 rp.progress_seen = now
             rp.step, rp.phase = info.step, info.phase

@@ -1,0 +1,133 @@
+"""Hang detection: a timeout per phase, the training one calibrated from observed steps.
+
+A rank is hung when it has made no progress (no new step, no phase change) for longer than
+its current phase allows. Heartbeats alone do not count as progress: the worker SDK's beat
+thread keeps beating while a training thread is stuck in a collective, and that is exactly
+the case to catch.
+
+The training timeout calibrates itself::
+
+    timeout = max(training_floor_s, training_multiplier * largest step interval seen)
+
+where the largest interval is the maximum of each rank's largest interval over its last 50
+steps (reported in its beats) and of the value carried over from earlier generations through
+the journal's ``calibration`` events. Until any interval is known (the first steps of a job),
+the ``init`` phase's timeout applies. A checkpoint's blocking part runs in the
+``checkpointing`` phase with its own timeout, and a slow first step runs in ``init`` (the SDK
+switches a rank to ``training`` at its first ``step_done``), so neither trips the training
+timeout. The fixed ``timeouts.phases.training`` overrides calibration when set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.config.schema import TimeoutsConfig
+from orchestrator.supervisor.progress import GenerationProgress, RankProgress
+
+# A new calibration is journaled only when the timeout moves by more than this fraction,
+# so a job's journal gets a handful of these, not one per heartbeat.
+_JOURNAL_CHANGE = 0.2
+
+
+@dataclass(frozen=True)
+class Suspect:
+    rank: int
+    phase: str
+    step: int | None
+    idle_s: float
+    beat_age_s: float | None  # None: never beat in this generation
+    timeout_s: float
+    silent: bool  # no heartbeat for several intervals: the process is stopped or frozen
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} made no progress for {self.idle_s:.1f} s in phase " \
+                f"{self.phase} (timeout {self.timeout_s:.1f} s, last step {self.step})"
+        if self.beat_age_s is None:
+            return where + "; it never sent a heartbeat"
+        if self.silent:
+            return where + f"; no heartbeat for {self.beat_age_s:.1f} s (process stopped " \
+                           "or frozen)"
+        return where + "; its heartbeats continue (training thread blocked)"
+
+
+class TrainingTimeout:
+    """The calibrated training timeout, carried across generations."""
+
+    def __init__(self, cfg: TimeoutsConfig, carried_max_interval: float | None) -> None:
+        self.cfg = cfg
+        self.max_interval = carried_max_interval
+        self._journaled: float | None = self.value() if carried_max_interval else None
+
+    def observe(self, interval_max: float | None) -> None:
+        if interval_max is not None and interval_max > 0:
+            self.max_interval = max(self.max_interval or 0.0, interval_max)
+
+    def value(self) -> float:
+        if self.cfg.phases.training is not None:
+            return self.cfg.phases.training
+        if self.max_interval is None:
+            return self.cfg.phases.init
+        return max(self.cfg.training_floor_s, self.cfg.training_multiplier * self.max_interval)
+
+    def needs_journal(self) -> bool:
+        """True once the value moved enough since it was last journaled."""
+        if self.max_interval is None:
+            return False
+        now = self.value()
+        if self._journaled is None or abs(now - self._journaled) > _JOURNAL_CHANGE * \
+                self._journaled:
+            self._journaled = now
+            return True
+        return False
+
+
+def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTimeout) -> float:
+    if phase == "training":
+        return training.value()
+    return float(getattr(cfg.phases, phase or "init", None) or cfg.phases.init)
+
+
+def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
+               now: float) -> list[Suspect]:
+    """Ranks past their phase's timeout, the first to stop progressing first.
+
+    Order: ranks that stopped beating (a stopped or frozen process is the likeliest culprit
+    of a collective hang), then the lowest step (the others wait for it), then the one idle
+    longest.
+    """
+    hung = []
+    for rp in gen.ranks.values():
+        training.observe(rp.step_interval_max)
+    for rp in gen.ranks.values():
+        suspect = _check(rp, cfg, training, now)
+        if suspect is not None:
+            hung.append(suspect)
+    hung.sort(key=lambda s: (not s.silent, s.step if s.step is not None else -1, -s.idle_s))
+    return hung
+
+
+def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
+           now: float) -> Suspect | None:
+    if rp.progress_seen is None:
+        return None
+    limit = phase_timeout(cfg, rp.phase, training)
+    idle = now - rp.progress_seen
+    if idle <= limit:
+        return None
+    beat_age = None if rp.beat_received is None else now - rp.beat_received
+    silent = beat_age is None or beat_age > max(3 * cfg.heartbeat_interval_s, 1.0)
+    return Suspect(rp.rank, rp.phase or "init", rp.step, idle, beat_age, limit, silent)
+
+
+def collective_timeout_s(cfg: TimeoutsConfig, training: TrainingTimeout) -> float:
+    """torch.distributed's timeout: above every hang timeout, so we act first.
+
+    The orchestrator dumps stacks and names the stuck rank; a collective that times out
+    first would only kill the rank with a less useful error. It is a backstop, never NCCL's
+    ten-minute default.
+    """
+    phases = cfg.phases
+    longest = max(phases.init, phases.loading, phases.compiling, phases.checkpointing,
+                  phases.evaluating, training.value())
+    return longest + 60.0
