@@ -109,11 +109,15 @@ class RunDir:
         return self.logs / f"rank-{rank:05d}.log"
 
     # -- small files ---------------------------------------------------------------------
-    def ensure_token(self) -> str:
-        """The job's API token, created 0600 on first use. Never logged."""
+    def ensure_token(self, preset: str | None = None) -> str:
+        """The job's API token, created 0600 on first use. Never logged.
+
+        ``preset`` (the supervisor's ``ORCH_TOKEN``, e.g. from a Kubernetes Secret) is used
+        instead of a fresh random token when the run has none yet.
+        """
         if self.token_file.exists():
             return self.token_file.read_text().strip()
-        token = secrets.token_urlsafe(32)
+        token = preset or secrets.token_urlsafe(32)
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)

@@ -77,6 +77,12 @@ class SlurmConfig(Section):
     """Slurm launcher settings (run `orchestrator up` inside an allocation)."""
 
     srun_args: list[str] = Field(default_factory=list, description="Extra srun arguments.")
+    agents_per_node: int = Field(
+        1, gt=0, description="Agents per Slurm node (1 on a real cluster; more lets one "
+                             "machine act as several nodes).")
+    addr: str = Field(
+        "$(hostname)", description="Shell expression for the address other nodes reach an "
+                                   "agent at (expanded on the node).")
 
 
 class LauncherConfig(Section):

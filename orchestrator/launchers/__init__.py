@@ -15,6 +15,18 @@ def build_launcher(cfg: Config, record: Callable[..., dict[str, Any]]) -> Launch
         from orchestrator.launchers.local import LocalLauncher
 
         return LocalLauncher(cfg, record)
+    if kind == "ssh":
+        from orchestrator.launchers.ssh import SSHLauncher
+
+        return SSHLauncher(cfg, record)
+    if kind == "slurm":
+        from orchestrator.launchers.slurm import SlurmLauncher
+
+        return SlurmLauncher(cfg, record)
+    if kind == "kubernetes":
+        from orchestrator.launchers.external import ExternalLauncher
+
+        return ExternalLauncher(cfg, record)
     raise ValueError(f"launcher.kind {kind!r} is not available in this build")
 
 

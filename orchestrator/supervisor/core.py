@@ -50,8 +50,7 @@ class Outcome:
 class Supervisor:
     def __init__(self, cfg: Config, run: RunDir, *, clock: Clock = SYSTEM_CLOCK,
                  registry: CollectorRegistry | None = None,
-                 launcher: Launcher | None = None, resumed: bool = False,
-                 advertise_host: str = "127.0.0.1") -> None:
+                 launcher: Launcher | None = None, resumed: bool = False) -> None:
         self.cfg = cfg
         self.rundir = run
         self.clock = clock
@@ -62,10 +61,10 @@ class Supervisor:
         self.metrics = SupervisorMetrics(registry or CollectorRegistry(), cfg.job.name)
         self.metrics.set_info(cfg.trainer.model.preset, cfg.cluster.accelerator)
         self.policy = RestartPolicy(cfg.restart)
-        self.token = run.ensure_token()
+        self.token = run.ensure_token(os.environ.get("ORCH_TOKEN") or None)
         self.launcher = launcher or build_launcher(cfg, self.record)
         self.intake = Intake(self)
-        self.advertise_host = cfg.launcher.advertise_host or advertise_host
+        self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
         self.url = ""
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
@@ -462,6 +461,15 @@ class Supervisor:
             await self.intake.nodes.assign(node_id, action="exit")
         await asyncio.sleep(0.3)  # one long-poll round trip for the agents to see it
         await self.launcher.close(timeout=self.cfg.timeouts.stop_grace_s + 5.0)
+
+
+def _default_advertise_host(cfg: Config) -> str:
+    """Simulated nodes reach us on loopback; real ones by this host's name."""
+    if cfg.launcher.kind == "local":
+        return "127.0.0.1"
+    import socket
+
+    return socket.getfqdn()
 
 
 def _dump_yaml(cfg: Config) -> str:

@@ -40,6 +40,17 @@ def test_uninterrupted_run_completes(clean_run: Path) -> None:
     assert states(clean_run) == ["PENDING", "HEALTH_CHECK", "LAUNCHING", "RUNNING", "COMPLETED"]
 
 
+def test_token_never_reaches_a_log(clean_run: Path) -> None:
+    token = (clean_run / "token").read_text().strip()
+    checked = 0
+    for path in clean_run.rglob("*"):
+        if path.is_file() and path.name != "token" and path.suffix in (".log", ".out",
+                                                                         ".jsonl", ".json"):
+            assert token not in path.read_text(errors="replace"), f"token in {path}"
+            checked += 1
+    assert checked >= 6  # supervisor log, agent logs, rank logs, journal, steps
+
+
 def test_two_random_kills_resume_bit_exactly(tmp_path: Path, dataset_dir: Path,
                                              clean_run: Path) -> None:
     rng = random.Random()
