@@ -1,0 +1,42 @@
+"""A user's own torchrun-style script under the orchestrator (job.entrypoint), and our
+trainer on its own under plain torchrun."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jobs import env, journal, status, up, write_config
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "scripts" / "plain_ddp.py"
+
+
+def test_plain_ddp_script_with_the_sdk_recovers(tmp_path: Path, dataset_dir: Path) -> None:
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir,
+                       job={"entrypoint": [sys.executable, str(SCRIPT)],
+                            "env": {"CKPT": str(tmp_path / "user.pt"), "STEPS": "30"}},
+                       chaos={"kill": [{"step": 12, "rank": 1}]})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    st = status(tmp_path / "run")
+    assert st["state"] == "COMPLETED" and st["last_step"] == 30
+    assert [r["cause"] for r in st["restarts"]] == ["worker_exit"]
+    steps = [e for e in journal(tmp_path / "run") if e["kind"] == "first_step"]
+    assert steps[1]["step"] == 11  # resumed after its own checkpoint at step 10
+    log = (tmp_path / "run" / "logs" / "rank-00000.log").read_text()
+    assert "final" in log
+
+
+def test_trainer_runs_standalone_under_torchrun(tmp_path: Path, dataset_dir: Path) -> None:
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer={"steps": 12},
+                       checkpoint={"url": str(tmp_path / "ckpt"), "interval_steps": 6})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "trainer", "--config", str(cfg)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=180,
+                         cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "step 12/12" in out.stdout
+    assert (tmp_path / "ckpt" / "t" / "step-00000012" / "manifest.json").exists()
