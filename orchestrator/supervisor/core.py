@@ -217,6 +217,9 @@ class Supervisor:
         missing = sorted(set(assignments) - set(self.intake.nodes.nodes))
         for node_id, assignment in assignments.items():
             if node_id not in missing:
+                node = self.intake.nodes.nodes[node_id]
+                if node.generation == generation:  # registered before we were listening
+                    self.intake.started[node_id] = sorted(node.ranks)
                 await self.intake.nodes.assign(node_id, **assignment)
         if self.view.state is JobState.STOPPING:
             outcome: Outcome | None = Outcome(Cause.NODE_LOST, {
