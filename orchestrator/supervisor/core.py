@@ -26,6 +26,7 @@ from orchestrator.logs import get_logger
 from orchestrator.rundir import RunDir
 from orchestrator.state import Cause, JobState, NodeState, check_transition
 from orchestrator.supervisor.bookkeeper import BookKeeper
+from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.placement import Placement, place
@@ -110,6 +111,8 @@ class Supervisor:
             "started": self.clock.time()})
         self.log.info("supervisor listening", url=self.url, run_dir=str(self.rundir.root),
                       metrics=f"{self.url}/metrics")
+        target = ScrapeTarget(self.cfg.metrics.targets_file, self.cfg.metrics.linger_s,
+                              self.advertise_host, port)
         books = asyncio.create_task(self.books.run(), name="books")
         try:
             if not self.view.job:
@@ -124,6 +127,7 @@ class Supervisor:
             books.cancel()
             self.books.refresh()
             await self._shutdown()
+            await target.retire(self.view.state.terminal)
             await server.stop()
             self.journal.close()
         return self.view.state
