@@ -105,8 +105,12 @@ class _Gen:
     run_starts: list[int] = field(default_factory=list)
     max_interval: float = 0.0
     first_step_time: float = 0.0
+    last_raw: tuple[int, float] | None = None
 
     def add(self, step: int, ts: float, data_s: float, ckpt_s: float, step_time: float) -> None:
+        if (step, ts) == self.last_raw:
+            return  # the same record delivered twice (a heartbeat resent)
+        self.last_raw = (step, ts)
         n = len(self.ts)
         floor = self.ts[-1] if n else (self.window_start or ts)
         ts = max(ts, floor)

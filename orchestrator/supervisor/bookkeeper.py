@@ -67,10 +67,15 @@ class BookKeeper:
         self.clock = clock
         self._journal = LineFollower(run.journal)
         self._steps = LineFollower(run.steps)
-        self.ledger = self.refresh(on_event=metrics.on_event, on_record=metrics.on_record)
+        # Books as of the journal's last event, not now: the time since is a supervisor gap
+        # that only the coming supervisor_started event (and the records the agents kept)
+        # can book; guessing it now could push a counter past what it will be.
+        self.ledger = self.refresh(on_event=metrics.on_event, on_record=metrics.on_record,
+                                   at_last_event=True)
 
     def refresh(self, on_event: Callable[[dict[str, Any]], None] | None = None,
-                on_record: Callable[[dict[str, Any]], None] | None = None) -> Ledger:
+                on_record: Callable[[dict[str, Any]], None] | None = None,
+                at_last_event: bool = False) -> Ledger:
         """Fold the new lines (journal first: a generation's launch precedes its records),
         snapshot at now, and bring the metrics' counters up to the books."""
         for event in self._journal.new_lines():
@@ -82,7 +87,10 @@ class BookKeeper:
             self.books.add_record(rec)
             if on_record is not None:
                 on_record(rec)
-        self.ledger = self.books.snapshot(self.clock.time())
+        now = self.clock.time()
+        if at_last_event and self.books.last_ts is not None:
+            now = min(now, self.books.last_ts)
+        self.ledger = self.books.snapshot(now)
         self.metrics.set_books(self.ledger.seconds, self.ledger.goodput)
         return self.ledger
 

@@ -123,7 +123,8 @@ def chaos_run(prometheus: Prometheus, tmp_path_factory: pytest.TempPathFactory,
             "metrics.host": "127.0.0.1", "metrics.targets_file": str(target),
             "metrics.linger_s": LINGER_S, "restart.backoff_initial_s": 0.5}
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    result = up(ROOT / "configs" / "local.yaml", tmp / "run", *args, "--chaos-kill-at", str(KILL_AT), timeout=600)
+    result = up(ROOT / "configs" / "local.yaml", tmp / "run", *args,
+                "--chaos-kill-at", str(KILL_AT), timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     assert not target.exists(), "the finished job's scrape target was not withdrawn"
     events = journal(tmp / "run")
@@ -225,3 +226,16 @@ def test_reported_goodput_agrees_with_the_workers_ground_truth(prometheus: Prome
     steps = [json.loads(line)["step"] for line in
              (chaos_run.run_dir / "steps.jsonl").read_text().splitlines()]
     assert len(steps) - len(set(steps)) >= redone
+
+
+def test_a_free_port_is_logged_and_written_to_the_run_dir(prometheus: Prometheus,
+                                                          chaos_run: Run) -> None:
+    info = json.loads((chaos_run.run_dir / "supervisor.json").read_text())
+    assert info["port"] > 0 and info["url"].endswith(f":{info['port']}")
+    logged = [json.loads(line) for line in (chaos_run.run_dir / "supervisor.log")
+              .read_text().splitlines() if "supervisor listening" in line]
+    assert logged and logged[0]["metrics"] == f"{info['url']}/metrics"
+    # Prometheus scraped it there, found through the target file the supervisor wrote.
+    up = prometheus.instant('up{job="orchestrator"}', chaos_run.ended)
+    assert [r["metric"]["instance"] for r in up] == [f"127.0.0.1:{info['port']}"]
+    assert float(up[0]["value"][1]) == 1

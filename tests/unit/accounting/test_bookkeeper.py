@@ -119,3 +119,28 @@ def test_counters_never_go_down_when_time_is_rebooked() -> None:
     assert value(metrics, "orchestrator_productive_seconds_total") == 10
     metrics.set_books({"productive": 12.5, "wasted_progress": 4.0}, 0.5)
     assert value(metrics, "orchestrator_productive_seconds_total") == 12.5
+
+
+def test_a_restarted_keeper_books_up_to_the_journal_not_into_the_gap(tmp_path: Path) -> None:
+    """The dead supervisor's last event is where the journal's knowledge ends; the gap after
+    it is booked only once the new supervisor_started event (and the agents' buffered
+    records) say what happened, so no counter is pushed past its final value meanwhile."""
+    s = Script(steps=100).start()
+    s.steps(1, 10.0, 10).checkpoint(19.2, 10)
+    run = RunDir(tmp_path)
+    write(run.journal, s.events)
+    write(run.steps, s.records)
+    metrics = SupervisorMetrics(CollectorRegistry(), "t")
+    keeper = BookKeeper(run, metrics, FakeClock(60.0))  # 40 s after the last event
+    assert keeper.ledger.total_s == pytest.approx(19.2)
+    assert keeper.ledger.seconds["failure_detection"] == 0
+    # The new supervisor says it is back; the agents' records show training went on.
+    write(run.journal, [{"seq": 99, "ts": 60.0, "kind": "supervisor_started",
+                         "resumed": True}])
+    write(run.steps, [{"generation": 1, "step": n, "ts": 10.0 + n - 1}
+                      for n in range(11, 51)])
+    ledger = keeper.refresh()
+    assert ledger.total_s == 60
+    assert ledger.seconds["productive"] == pytest.approx(49 + 1)  # + the step in flight
+    assert value(metrics, "orchestrator_badput_seconds_total",
+                 category="failure_detection") == 0

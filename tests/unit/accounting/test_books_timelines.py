@@ -168,6 +168,14 @@ def test_record_clock_skew_is_clamped_into_its_window() -> None:
     expect(book(s), provisioning=3, health_check=1, startup=0, productive=1, other=2)
 
 
+def test_a_record_delivered_twice_counts_once() -> None:
+    s = Script(steps=10).start()
+    s.steps(1, 10.0, 10)
+    s.records.insert(5, dict(s.records[4]))
+    s.to(21.0, "COMPLETED", "completed")
+    expect(book(s), provisioning=3, health_check=1, startup=6, productive=9, other=2)
+
+
 def test_incremental_snapshots_match_a_rebuild() -> None:
     s = Script(steps=20).start()
     s.steps(1, 10.0, 15).checkpoint(19.5, 10)
