@@ -7,6 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collections.abc import Iterator
+
+from orchestrator.books import Ledger, compute_books
 from orchestrator.journal import read_events
 from orchestrator.jobview import JobView
 from orchestrator.rundir import RunDir
@@ -14,6 +17,26 @@ from orchestrator.rundir import RunDir
 
 def load_view(run: RunDir) -> JobView:
     return JobView.from_events(read_events(run.journal))
+
+
+def read_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Every complete step record of ``steps.jsonl`` (garbled lines skipped)."""
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def load_books(run: RunDir, now: float | None = None) -> Ledger:
+    """The goodput books of a run directory, at ``now`` while the job is live."""
+    return compute_books(read_events(run.journal), read_records(run.steps),
+                         time.time() if now is None else now)
 
 
 def last_step_record(run: RunDir) -> dict[str, Any] | None:
@@ -34,9 +57,12 @@ def last_step_record(run: RunDir) -> dict[str, Any] | None:
     return None
 
 
-def build_status(view: JobView, run: RunDir, live_nodes: Any = None) -> dict[str, Any]:
-    """One JSON-able object: state, steps, restarts and causes, checkpoints, nodes, failure."""
+def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
+                 ledger: Ledger | None = None) -> dict[str, Any]:
+    """One JSON-able object: state, steps, restarts and causes, checkpoints, nodes, failure,
+    and the goodput books (``ledger``, or computed from the run directory)."""
     last = last_step_record(run)
+    books = (ledger or load_books(run)).to_json()
     last_step = max(view.last_step, (last or {}).get("step", 0) or 0)
     end = view.ended_ts or time.time()
     nodes: dict[str, Any] = {}
@@ -76,4 +102,6 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None) -> dict[str
         "nodes": nodes,
         "supervisor_restarts": max(0, len(view.supervisor_starts) - 1),
         "rollbacks": view.rollbacks,
+        "goodput": books["goodput"],
+        "books": books,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,14 +61,18 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
               "state_layout": STATE_LAYOUT},
         report=worker.event, log=log, device_type=dctx.device.type)
     with worker.phase("loading"):
+        t0 = time.perf_counter()
         manifest = checkpointer.restore(state, max_step=ctx.resume_max_step)
+        load_s = time.perf_counter() - t0
     if manifest is not None:
         if manifest.get("config_hash") != settings.config_hash:
             log(f"warning: checkpoint config hash {manifest.get('config_hash')} differs from "
                 f"this run's {settings.config_hash}")
         log(f"resumed from step {progress.step} ({manifest.get('tokens')} tokens)")
         if dctx.is_main:
-            worker.event("resumed", step=progress.step, path=checkpointer.restored_url)
+            # load_s: the books' checkpoint_restore time for this generation.
+            worker.event("resumed", step=progress.step, path=checkpointer.restored_url,
+                         load_s=round(load_s, 6))
     else:
         log("no checkpoint found: starting from scratch")
     guard = None

@@ -41,7 +41,10 @@ def print_summary(run: RunDir) -> None:
     causes = ", ".join(f"{c} x{n}" for c, n in s["causes"].items()) or "none"
     table.add_row("restarts", f"{s['restarts']} ({causes})")
     table.add_row("checkpoints committed", str(s["checkpoints_committed"]))
-    table.add_row("time lost", f"{_fmt_s(s['time_lost_s'])} of {_fmt_s(s['wall_time_s'])}")
+    table.add_row("goodput", f"{s['goodput']:.1%} ({_fmt_s(s['productive_s'])} productive)")
+    top = ", ".join(f"{c} {_fmt_s(v)}" for c, v in list(s["time_lost_by"].items())[:3])
+    table.add_row("time lost", f"{_fmt_s(s['time_lost_s'])} of {_fmt_s(s['wall_time_s'])}"
+                  + (f" ({top})" if top else ""))
     if s["failed_reason"]:
         table.add_row("failed because", s["failed_reason"])
     failure = view.failures[-1] if view.failures else None
@@ -49,6 +52,24 @@ def print_summary(run: RunDir) -> None:
         table.add_row("root cause", failure.get("message", ""))
     table.add_row("run dir", str(run.root))
     out.print(table)
+
+
+def books_table(books: dict) -> Table:
+    """Seconds and share of wall time per category, productive first, then the largest."""
+    total = books["total_s"] or 0.0
+    t = Table(title=f"where the time went (goodput {books['goodput']:.1%})",
+              title_justify="left")
+    t.add_column("category")
+    t.add_column("time", justify="right")
+    t.add_column("share", justify="right")
+    seconds = books["seconds"]
+    order = ["productive"] + sorted((c for c in seconds if c != "productive"),
+                                    key=lambda c: -seconds[c])
+    for c in order:
+        share = seconds[c] / total if total > 0 else 0.0
+        t.add_row(c, _fmt_s(seconds[c]), f"{share:.1%}")
+    t.add_row("total", _fmt_s(total), "100.0%" if total > 0 else "-", style="bold")
+    return t
 
 
 def show_status(run_dir: Path | None, json_out: bool) -> int:
@@ -93,6 +114,7 @@ def show_status(run_dir: Path | None, json_out: bool) -> int:
         for c in status["checkpoints"]:
             t.add_row(str(c["step"]), _fmt_s(time.time() - c["ts"]), str(c["path"]))
         out.print(t)
+    out.print(books_table(status["books"]))
     t = Table(title="nodes", title_justify="left")
     for col in ("node", "state", "node rank", "host"):
         t.add_column(col)

@@ -189,6 +189,18 @@ class MetricsConfig(Section):
     port: int = Field(
         9400, ge=0, le=65535, description="Port (0 picks a free one, written to the run dir)."
     )
+    targets_file: str | None = Field(
+        None,
+        description="Prometheus file_sd file this supervisor writes its own scrape target "
+        "into while it runs and removes once the job has ended (one file per job, e.g. "
+        "/etc/prometheus/targets/orchestrator-<job>.json): a free port (0) is found, and a "
+        "finished job stops being scraped instead of alerting as a supervisor that is down.",
+    )
+    linger_s: float = Field(
+        0.0, ge=0,
+        description="Keep serving /metrics this long after the job has ended, so Prometheus "
+        "scrapes the final state and books (set it above the scrape interval).",
+    )
 
 
 class KillSpec(Section):

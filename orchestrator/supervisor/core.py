@@ -25,6 +25,8 @@ from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
 from orchestrator.rundir import RunDir
 from orchestrator.state import Cause, JobState, NodeState, check_transition
+from orchestrator.supervisor.bookkeeper import BookKeeper
+from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.hangs import collective_timeout_s
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
@@ -60,6 +62,7 @@ class Supervisor:
         self.journal = Journal(run.journal, clock=clock.time)
         self.metrics = SupervisorMetrics(registry or CollectorRegistry(), cfg.job.name)
         self.metrics.set_info(cfg.trainer.model.preset, cfg.cluster.accelerator)
+        self.books = BookKeeper(run, self.metrics, clock)  # replays the run dir into metrics
         self.policy = RestartPolicy(cfg.restart)
         self.token = run.ensure_token(os.environ.get("ORCH_TOKEN") or None)
         self.launcher = launcher or build_launcher(cfg, self.record)
@@ -108,6 +111,9 @@ class Supervisor:
             "started": self.clock.time()})
         self.log.info("supervisor listening", url=self.url, run_dir=str(self.rundir.root),
                       metrics=f"{self.url}/metrics")
+        target = ScrapeTarget(self.cfg.metrics.targets_file, self.cfg.metrics.linger_s,
+                              self.advertise_host, port)
+        books = asyncio.create_task(self.books.run(), name="books")
         try:
             if not self.view.job:
                 self._record_created()
@@ -118,7 +124,10 @@ class Supervisor:
             if not self.view.state.terminal:
                 await self._drive()
         finally:
+            books.cancel()
+            self.books.refresh()
             await self._shutdown()
+            await target.retire(self.view.state.terminal)
             await server.stop()
             self.journal.close()
         return self.view.state

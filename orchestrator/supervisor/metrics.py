@@ -2,9 +2,14 @@
 
 Only the supervisor serves ``/metrics`` (no multiprocess mode): workers report through
 heartbeats. Names carry the ``orchestrator_`` prefix and base units, counters end in
-``_total``, the only labels are bounded sets (``job``, ``state``, ``cause``, ``category``).
-Every labelled series is created at start-up, so a query never sees a hole before the first
-event of its kind.
+``_total``, the only labels are bounded sets (``job``, ``state``, ``cause``, ``category``,
+``kind``, ``check``). Every labelled series is created at start-up, so a query never sees a
+hole before the first event of its kind. Things that happen between two scrapes (a one-step
+gradient spike, a NaN loss on a skipped step) are counted, not only shown in a gauge.
+
+The goodput books are computed elsewhere (``orchestrator.books``) and pushed in through
+``set_books``; a restarted supervisor replays the journal through ``on_event`` and the step
+records through ``on_record`` so its counters carry on where the dead one left them.
 """
 
 from __future__ import annotations
@@ -15,13 +20,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from orchestrator import __version__
+from orchestrator.books import BADPUT_CATEGORIES
 from orchestrator.state import Cause, JobState, NodeState
 
-BADPUT_CATEGORIES = (
-    "provisioning", "health_check", "startup", "checkpoint_save", "checkpoint_restore",
-    "wasted_progress", "failure_detection", "recovery", "data_loading", "other",
-)
 FAILURE_CAUSES = tuple(c.value for c in Cause if c not in (Cause.COMPLETED,))
+# What the stability detectors report (``stability.events.Event.kind``).
+STABILITY_KINDS = ("grad_spike", "grad_spike_end", "growth", "persistent_spike", "nonfinite",
+                   "loss_spike", "param_norm_jump")
 
 # Step times from ~10 ms (tiny CPU models) to minutes (large models on slow links).
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
@@ -30,6 +35,8 @@ _CKPT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 
 class SupervisorMetrics:
+    """Every metric the supervisor exports, on ``registry``, all labelled ``job``."""
+
     def __init__(self, registry: CollectorRegistry, job: str) -> None:
         self.registry = registry
         self.job = job
@@ -51,8 +58,18 @@ class SupervisorMetrics:
         self.goodput = Gauge("orchestrator_goodput_ratio", "Productive / total wall time.", j,
                              registry=r)
         self.step = Gauge("orchestrator_training_step", "Last completed step.", j, registry=r)
-        self.tokens = Gauge("orchestrator_training_tokens", "Tokens trained so far.", j,
-                            registry=r)
+        self.tokens = Gauge("orchestrator_training_tokens",
+                            "Tokens trained so far (goes back when a restart resumes from a "
+                            "checkpoint).", j, registry=r)
+        self.steps_done = Counter("orchestrator_steps_processed",
+                                  "Training steps finished, redone ones included (rate() is "
+                                  "the step rate).", j, registry=r)
+        self.tokens_done = Counter("orchestrator_tokens_processed",
+                                   "Tokens processed, redone steps included (rate() is the "
+                                   "throughput).", j, registry=r)
+        self.nonfinite = Counter("orchestrator_nonfinite_steps",
+                                 "Steps whose loss or gradient norm was NaN or infinite.", j,
+                                 registry=r)
         self.loss = Gauge("orchestrator_loss", "Training loss of the last step.", j, registry=r)
         self.lr = Gauge("orchestrator_learning_rate", "Learning rate of the last step.", j,
                         registry=r)
@@ -87,10 +104,13 @@ class SupervisorMetrics:
                                   registry=r)
         self.last_step_ts = Gauge("orchestrator_last_step_timestamp_seconds",
                                   "Unix time the last step finished.", j, registry=r)
+        self.created_ts = Gauge("orchestrator_job_created_timestamp_seconds",
+                                "Unix time the job was created.", j, registry=r)
         self.health_failures = Counter("orchestrator_health_check_failures_total",
                                        "Failed health checks by check.", ["job", "check"],
                                        registry=r)
         self._booked: dict[str, float] = {}
+        self._last_tokens: tuple[int, float, float] | None = None  # step, tokens, per step
         self._init_series()
 
     def _init_series(self) -> None:
@@ -104,11 +124,14 @@ class SupervisorMetrics:
             self.failures.labels(job, c)
         for cat in BADPUT_CATEGORIES:
             self.badput.labels(job, cat)
-        for metric in (self.productive, self.spikes, self.rollbacks):
+        for kind in STABILITY_KINDS:
+            self.stability_events.labels(job, kind)
+        for metric in (self.productive, self.spikes, self.rollbacks, self.steps_done,
+                       self.tokens_done, self.nonfinite):
             metric.labels(job)
         for g in (self.goodput, self.step, self.tokens, self.loss, self.lr, self.grad_norm,
                   self.grad_norm_mean, self.spike_length, self.growth, self.param_norm,
-                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts):
+                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts, self.created_ts):
             g.labels(job)
         self.step_duration.labels(job)
         self.ckpt_blocking.labels(job)
@@ -129,7 +152,9 @@ class SupervisorMetrics:
     def on_event(self, e: dict[str, Any]) -> None:
         """Fold a journal event into the metrics it moves."""
         kind, job = e.get("kind"), self.job
-        if kind == "transition":
+        if kind == "job_created":
+            self.created_ts.labels(job).set(e.get("ts") or 0)
+        elif kind == "transition":
             self.set_state(JobState(e["to"]))
         elif kind == "failure" and e.get("cause") in FAILURE_CAUSES:
             self.failures.labels(job, e["cause"]).inc()
@@ -148,20 +173,41 @@ class SupervisorMetrics:
     def on_record(self, rec: dict[str, Any]) -> None:
         """Fold one of rank 0's step records in."""
         job = self.job
-        self.step.labels(job).set(rec.get("step", 0))
+        step = int(rec.get("step") or 0)
+        self.step.labels(job).set(step)
+        self.steps_done.labels(job).inc()
         if rec.get("tokens") is not None:
             self.tokens.labels(job).set(rec["tokens"])
+            self._count_tokens(step, float(rec["tokens"]))
         for gauge, key in ((self.loss, "loss"), (self.lr, "lr"), (self.grad_norm, "grad_norm"),
                            (self.param_norm, "param_norm")):
             value = _number(rec.get(key))
             if value is not None:
                 gauge.labels(job).set(value)
+        if any(v is not None and not math.isfinite(v)
+               for v in (_number(rec.get("loss")), _number(rec.get("grad_norm")))):
+            self.nonfinite.labels(job).inc()
         if rec.get("step_time") is not None:
             self.step_duration.labels(job).observe(rec["step_time"])
         if rec.get("ts") is not None:
             self.last_step_ts.labels(job).set(rec["ts"])
 
+    def _count_tokens(self, step: int, tokens: float) -> None:
+        # Records carry the running token count; after a resume it goes back, so the step's
+        # own tokens are taken as those of the last contiguous step.
+        last = self._last_tokens
+        if last is not None and step == last[0] + 1 and tokens >= last[1]:
+            per_step = tokens - last[1]
+        elif last is not None:
+            per_step = last[2]
+        else:
+            per_step = tokens / step if step > 0 else 0.0
+        self.tokens_done.labels(self.job).inc(per_step)
+        self._last_tokens = (step, tokens, per_step)
+
     def on_stability(self, summary: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        """The stability monitor's summary (running mean, growth, spike length) and the
+        events it fired on the latest records."""
         job = self.job
         for key, gauge in (("running_mean", self.grad_norm_mean),
                            ("growth_ratio", self.growth),
@@ -175,7 +221,14 @@ class SupervisorMetrics:
                 self.spikes.labels(job).inc()
 
     def set_books(self, seconds: dict[str, float], goodput: float) -> None:
-        """Bring the books' counters up to ``seconds`` (they only ever grow)."""
+        """Bring the books' counters up to ``seconds`` and set the goodput gauge.
+
+        Counters never go down: when provisional time moves to another category (a failure
+        turns the steps since the last checkpoint into wasted progress), the category that
+        shrank keeps its counter until its books pass it again, while the one that grew
+        takes the increase at once. Rates over windows longer than the re-booked time agree
+        with the books; the goodput gauge always shows them exactly.
+        """
         job = self.job
         self._raise_to("productive", self.productive.labels(job), seconds.get("productive", 0.0))
         for cat in BADPUT_CATEGORIES:
@@ -191,10 +244,11 @@ class SupervisorMetrics:
 
 
 def _number(v: Any) -> float | None:
-    if v is None:
+    """A float, NaN and infinities kept (the exposition format has them, and the "loss not
+    finite" alert needs them); the strings "nan"/"inf" of the stability JSON read too."""
+    if v is None or isinstance(v, bool):
         return None
     try:
-        f = float(v)
+        return float(v)
     except (TypeError, ValueError):
         return None
-    return f if not math.isinf(f) else (1e308 if f > 0 else -1e308)

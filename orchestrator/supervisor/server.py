@@ -123,7 +123,8 @@ class ApiServer:
         from orchestrator.status import build_status
 
         return web.json_response(build_status(self.sup.view, self.sup.rundir,
-                                              live_nodes=self.sup.intake.nodes))
+                                              live_nodes=self.sup.intake.nodes,
+                                              ledger=self.sup.books.refresh()))
 
 
 async def _parse(request: web.Request, model: type[BaseModel]) -> Any:

@@ -1,0 +1,194 @@
+"""Training throughput and MFU of our trainer on one GPU: the 1.14B Llama, eager and compiled.
+
+Builds the model, sharding, optimizer and loader with the trainer's own builders (the code
+that runs under ``orchestrator up``), times ``train_step`` after a warm-up, and reports
+tokens/s and MFU against both 989 TFLOP/s (H100 SXM dense bf16) and a bf16 matmul peak
+measured in the same run. Also measures the monitoring overhead: the same steps with the
+worker SDK's heartbeat thread and the stability norms (param norm every step) on, against
+both off, interleaved in blocks so drift hits both equally.
+
+    python bench/gpu_train.py --out bench/results/gpu-train-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from common import header, write  # noqa: E402
+
+H100_BF16_DENSE = 989e12
+
+
+def matmul_peak(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t)
+
+
+class _NoWorker:
+    """The SDK's surface with nothing behind it (monitoring off)."""
+
+    def step_done(self, step: int, **_: Any) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        yield
+
+    def event(self, name: str, **_: Any) -> None:
+        return None
+
+
+def build(compile_: bool, strategy: str, mbs: int, seq: int, ac: str, data: str):
+    from orchestrator.worker import WorkerContext
+    from trainer.build import build_parts
+    from trainer.config import CheckpointConfig, TrainerConfig
+    from trainer.distributed import init_distributed
+    from trainer.settings import WorkerSettings
+    from stability.config import StabilityConfig
+
+    cfg = TrainerConfig.model_validate({
+        "steps": 10_000, "device": "cuda", "deterministic": False,
+        "model": {"preset": "1b"},
+        "data": {"path": data, "seq_len": seq, "micro_batch_size": mbs},
+        "optimizer": {"lr": 3e-4, "fused": True}, "schedule": {"warmup_steps": 10},
+        "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
+        "parallelism": {"strategy": strategy, "backend": "nccl", "compile": compile_,
+                        "activation_checkpointing": ac},
+        "param_norm_every": 10_000,
+    })
+    settings = WorkerSettings(cfg, CheckpointConfig(interval_steps=10**9), StabilityConfig(),
+                              "bench", "/tmp/bench-ckpt", "bench")
+    dctx = init_distributed(cfg)
+    return build_parts(settings, dctx, WorkerContext(), _NoWorker(), lambda m: None)
+
+
+def time_steps(parts, n: int) -> list[float]:
+    from trainer.loop import train_step
+
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        train_step(parts)
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def run_mode(compile_: bool, args: argparse.Namespace, peak: float) -> dict[str, Any]:
+    from trainer.presets import PRESETS
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    parts = build(compile_, args.strategy, args.mbs, args.seq, args.ac, args.data)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    warm = time_steps(parts, args.warmup)
+    warm_s = time.perf_counter() - t0
+    steps = time_steps(parts, args.steps)
+    step_s = statistics.median(steps)
+    tokens = args.mbs * args.seq
+    flops = PRESETS["1b"].flops_per_token(args.seq) * tokens
+    result = {
+        "compile": compile_, "strategy": args.strategy, "activation_checkpointing": args.ac,
+        "micro_batch_size": args.mbs, "seq_len": args.seq, "build_s": round(build_s, 2),
+        "warmup_s": round(warm_s, 2), "first_step_s": round(warm[0], 3),
+        "median_step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
+        "mfu_vs_989": round(flops / step_s / H100_BF16_DENSE, 4),
+        "mfu_vs_measured_peak": round(flops / step_s / peak, 4),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
+    if args.overhead and not compile_:
+        result["monitoring"] = monitoring_overhead(parts, args.overhead)
+    del parts
+    return result
+
+
+def monitoring_overhead(parts, blocks: int) -> dict[str, Any]:
+    """Step time with the SDK beat thread + param norm every step vs both off."""
+    from orchestrator.worker.sdk import Worker
+
+    sock_env = {"RANK": "0"}  # unmanaged: the beat thread has no agent; run it anyway
+    worker = Worker(env=sock_env, send_records=True)
+    worker._socket_path = None
+    off, on = [], []
+    for _ in range(blocks):
+        parts.worker = _NoWorker()
+        parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 10_000})
+        off += time_steps(parts, 5)
+        parts.worker = worker
+        parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 1})
+        t = []
+        from trainer.loop import train_step
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rec = train_step(parts)
+            worker.step_done(parts.progress.step, **rec)
+            torch.cuda.synchronize()
+            t.append(time.perf_counter() - t0)
+        on += t
+    a, b = statistics.median(off), statistics.median(on)
+    return {"step_s_off": round(a, 5), "step_s_on": round(b, 5),
+            "overhead_pct": round(100 * (b - a) / a, 3), "steps_each": len(off),
+            "param_norm_every": 1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data", default=os.path.expanduser(
+        "~/.cache/orchestrator/datasets/stdlib-byte"))
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--ac", default="none")
+    ap.add_argument("--strategy", default="fsdp2")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--overhead", type=int, default=4, help="blocks of 5+5 steps; 0 skips")
+    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--out", default="gpu-train.json")
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    from trainer.data.prepare import prepare_dataset
+
+    prepare_dataset("stdlib", args.data, "byte", max_bytes=64 * 2**20)
+    peak = matmul_peak()
+    report = {**header(torch.cuda.get_device_name()), "matmul_peak_tflops": round(peak / 1e12, 1),
+              "reference_tflops": H100_BF16_DENSE / 1e12, "model": "1b (1.14B)", "runs": []}
+    for mode in args.modes.split(","):
+        report["runs"].append(run_mode(mode == "compiled", args, peak))
+        print(report["runs"][-1], flush=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    path = write(os.path.basename(args.out), report)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The supervisor's side of the books: follow the run directory's files, export the ledger.
+
+The books (``orchestrator.books``) are rebuilt from the journal and ``steps.jsonl``, never
+from the supervisor's memory, so a restarted supervisor gets the same books as the one that
+died. ``BookKeeper`` follows both files from where it last stopped reading (each line is read
+once), so a refresh costs only the new lines plus a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from orchestrator.books import Books, Ledger
+from orchestrator.clock import Clock
+from orchestrator.logs import get_logger
+from orchestrator.rundir import RunDir
+from orchestrator.supervisor.metrics import SupervisorMetrics
+
+# How often the live books are refreshed: well under the usual 15 s scrape interval, and a
+# snapshot costs microseconds, so freshness is nearly free.
+REFRESH_S = 2.0
+
+
+class LineFollower:
+    """Complete JSON lines appended to a file since the last call (a torn tail waits)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def new_lines(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue  # a garbled line is skipped, as the journal reader does
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
+
+
+class BookKeeper:
+    """Follows the journal and the step records into ``Books``; pushes ledgers to metrics."""
+
+    def __init__(self, run: RunDir, metrics: SupervisorMetrics, clock: Clock) -> None:
+        """Read everything written so far, and replay it into ``metrics`` too.
+
+        A restarted supervisor's counters then carry on from the values the dead one
+        exported (Prometheus sees no reset, so ``increase()`` does not count the past twice)
+        and its gauges and histograms come back before the first scrape. Later lines are
+        not replayed: the supervisor feeds the metrics as it writes and receives them.
+        """
+        self.books = Books()
+        self.metrics = metrics
+        self.clock = clock
+        self._journal = LineFollower(run.journal)
+        self._steps = LineFollower(run.steps)
+        # Books as of the journal's last event, not now: the time since is a supervisor gap
+        # that only the coming supervisor_started event (and the records the agents kept)
+        # can book; guessing it now could push a counter past what it will be.
+        self.ledger = self.refresh(on_event=metrics.on_event, on_record=metrics.on_record,
+                                   at_last_event=True)
+
+    def refresh(self, on_event: Callable[[dict[str, Any]], None] | None = None,
+                on_record: Callable[[dict[str, Any]], None] | None = None,
+                at_last_event: bool = False) -> Ledger:
+        """Fold the new lines (journal first: a generation's launch precedes its records),
+        snapshot at now, and bring the metrics' counters up to the books."""
+        for event in self._journal.new_lines():
+            if "kind" in event:
+                self.books.apply(event)
+                if on_event is not None:
+                    on_event(event)
+        for rec in self._steps.new_lines():
+            self.books.add_record(rec)
+            if on_record is not None:
+                on_record(rec)
+        now = self.clock.time()
+        if at_last_event and self.books.last_ts is not None:
+            now = min(now, self.books.last_ts)
+        self.ledger = self.books.snapshot(now)
+        self.metrics.set_books(self.ledger.seconds, self.ledger.goodput)
+        return self.ledger
+
+    async def run(self, every_s: float = REFRESH_S) -> None:
+        """Refresh every ``every_s`` until cancelled."""
+        log = get_logger("orchestrator.books")
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                self.refresh()
+            except Exception:  # a bug in the books must not stop the job; say it each time
+                log.exception("refreshing the books failed")

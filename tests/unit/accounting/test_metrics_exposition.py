@@ -1,0 +1,156 @@
+"""/metrics as Prometheus reads it: names, types, labels, every series there from the start."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator import __version__
+from orchestrator.books import BADPUT_CATEGORIES
+from orchestrator.state import JobState, NodeState
+from orchestrator.supervisor.metrics import FAILURE_CAUSES, STABILITY_KINDS, SupervisorMetrics
+
+# name (family, as the parser reports it) -> (type, labels besides job, label values)
+SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    # The info metric; the text format has no info type, so it reads as a gauge of 1.
+    "orchestrator_info": ("gauge", {}),
+    "orchestrator_job_state": ("gauge", {"state": tuple(s.value for s in JobState)}),
+    "orchestrator_nodes": ("gauge", {"state": tuple(s.value for s in NodeState)}),
+    "orchestrator_restarts": ("counter", {"cause": FAILURE_CAUSES}),
+    "orchestrator_failures": ("counter", {"cause": FAILURE_CAUSES}),
+    "orchestrator_productive_seconds": ("counter", {}),
+    "orchestrator_badput_seconds": ("counter", {"category": BADPUT_CATEGORIES}),
+    "orchestrator_goodput_ratio": ("gauge", {}),
+    "orchestrator_training_step": ("gauge", {}),
+    "orchestrator_training_tokens": ("gauge", {}),
+    "orchestrator_steps_processed": ("counter", {}),
+    "orchestrator_tokens_processed": ("counter", {}),
+    "orchestrator_nonfinite_steps": ("counter", {}),
+    "orchestrator_loss": ("gauge", {}),
+    "orchestrator_learning_rate": ("gauge", {}),
+    "orchestrator_grad_norm": ("gauge", {}),
+    "orchestrator_grad_norm_running_mean": ("gauge", {}),
+    "orchestrator_grad_norm_spikes": ("counter", {}),
+    "orchestrator_grad_norm_spike_length_steps": ("gauge", {}),
+    "orchestrator_grad_norm_growth_ratio": ("gauge", {}),
+    "orchestrator_param_norm": ("gauge", {}),
+    "orchestrator_stability_events": ("counter", {"kind": STABILITY_KINDS}),
+    "orchestrator_rollbacks": ("counter", {}),
+    "orchestrator_step_duration_seconds": ("histogram", {}),
+    "orchestrator_checkpoint_blocking_seconds": ("histogram", {}),
+    "orchestrator_last_checkpoint_step": ("gauge", {}),
+    "orchestrator_last_checkpoint_timestamp_seconds": ("gauge", {}),
+    "orchestrator_last_step_timestamp_seconds": ("gauge", {}),
+    "orchestrator_job_created_timestamp_seconds": ("gauge", {}),
+    # Labelled by the health check that failed: a series appears with its first failure
+    # (the checks are the health-check module's, not a set this module can list).
+    "orchestrator_health_check_failures": ("counter", {"check": ()}),
+}
+
+
+def families(metrics: SupervisorMetrics) -> dict:
+    text = generate_latest(metrics.registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)
+            if not f.name.endswith("_created")}
+
+
+@pytest.fixture
+def metrics() -> SupervisorMetrics:
+    m = SupervisorMetrics(CollectorRegistry(), "demo")
+    m.set_info("tiny", "cpu")
+    return m
+
+
+def test_names_types_and_labels_are_as_specified(metrics: SupervisorMetrics) -> None:
+    fams = families(metrics)
+    assert set(fams) == set(SPEC)
+    for name, (kind, labels) in SPEC.items():
+        fam = fams[name]
+        assert fam.type == kind, name
+        assert fam.documentation, name
+        for sample in fam.samples:
+            assert sample.name.startswith("orchestrator_")
+            if kind == "counter":
+                assert sample.name.endswith(("_total", "_created")), sample.name
+            assert sample.labels["job"] == "demo"
+            extra = set(sample.labels) - {"job", "le"}
+            if name == "orchestrator_info":
+                assert sample.value == 1
+                assert extra == {"model", "accelerator", "version"}, sample.labels
+                assert sample.labels["version"] == __version__
+            else:
+                assert extra == set(labels), (name, sample.labels)
+        for label, values in labels.items():
+            # Every value of every bounded label is there before its first event.
+            assert {s.labels[label] for s in fam.samples} == set(values), name
+        if not labels or any(labels.values()):
+            assert fam.samples, f"{name} has no series at start-up"
+
+
+def test_job_state_is_one_hot_and_follows_transitions(metrics: SupervisorMetrics) -> None:
+    def hot() -> list[str]:
+        fam = families(metrics)["orchestrator_job_state"]
+        return [s.labels["state"] for s in fam.samples if s.value == 1]
+
+    assert hot() == ["PENDING"]
+    metrics.on_event({"kind": "transition", "to": "RUNNING"})
+    assert hot() == ["RUNNING"]
+    fam = families(metrics)["orchestrator_job_state"]
+    assert sum(s.value for s in fam.samples) == 1
+
+
+def test_records_and_events_move_their_metrics(metrics: SupervisorMetrics) -> None:
+    metrics.on_event({"kind": "job_created", "ts": 1234.5})
+    metrics.on_event({"kind": "generation_launched", "after_cause": "hang"})
+    metrics.on_event({"kind": "failure", "cause": "hang"})
+    metrics.on_event({"kind": "checkpoint_committed", "step": 50, "ts": 2000.0,
+                      "blocking_s": 0.07})
+    for step, tokens in ((1, 512), (2, 1024), (3, 1536), (2, 1024), (3, 1536)):  # a resume
+        metrics.on_record({"step": step, "tokens": tokens, "loss": 2.5, "lr": 1e-3,
+                           "grad_norm": 0.7, "step_time": 0.2, "ts": 3000.0 + step})
+    metrics.on_record({"step": 4, "tokens": 2048, "loss": float("nan"),
+                       "grad_norm": float("inf"), "step_time": 0.2, "ts": 3004.0})
+    metrics.on_stability({"running_mean": 0.6, "growth_ratio": 1.4,
+                          "current_spike_length": 2},
+                         [{"kind": "grad_spike"}, {"kind": "persistent_spike"}])
+    fams = families(metrics)
+
+    def val(name: str, sample: str | None = None, **labels: str) -> float:
+        for s in fams[name].samples:
+            if s.name == (sample or s.name) and all(s.labels.get(k) == v
+                                                     for k, v in labels.items()):
+                return s.value
+        raise AssertionError((name, labels))
+
+    assert val("orchestrator_job_created_timestamp_seconds") == 1234.5
+    assert val("orchestrator_restarts", cause="hang") == 1
+    assert val("orchestrator_restarts", cause="worker_exit") == 0
+    assert val("orchestrator_failures", cause="hang") == 1
+    assert val("orchestrator_last_checkpoint_step") == 50
+    assert val("orchestrator_last_checkpoint_timestamp_seconds") == 2000.0
+    assert val("orchestrator_checkpoint_blocking_seconds",
+               "orchestrator_checkpoint_blocking_seconds_bucket", le="0.1") == 1
+    assert val("orchestrator_training_step") == 4
+    assert val("orchestrator_steps_processed") == 6
+    assert val("orchestrator_tokens_processed") == 512 * 6  # redone steps counted again
+    assert val("orchestrator_step_duration_seconds",
+               "orchestrator_step_duration_seconds_count") == 6
+    assert math.isnan(val("orchestrator_loss"))
+    assert val("orchestrator_grad_norm") == math.inf
+    assert val("orchestrator_nonfinite_steps") == 1
+    assert val("orchestrator_last_step_timestamp_seconds") == 3004.0
+    assert val("orchestrator_grad_norm_running_mean") == 0.6
+    assert val("orchestrator_grad_norm_growth_ratio") == 1.4
+    assert val("orchestrator_grad_norm_spike_length_steps") == 2
+    assert val("orchestrator_grad_norm_spikes") == 1
+    assert val("orchestrator_stability_events", kind="persistent_spike") == 1
+
+
+def test_two_supervisors_in_one_process_do_not_share_a_registry() -> None:
+    a = SupervisorMetrics(CollectorRegistry(), "a")
+    b = SupervisorMetrics(CollectorRegistry(), "b")
+    a.on_record({"step": 7})
+    assert b.registry.get_sample_value("orchestrator_training_step", {"job": "b"}) == 0
