@@ -187,7 +187,9 @@ class MetricsConfig(Section):
 
     host: str = Field("0.0.0.0", description="Interface the supervisor listens on.")
     port: int = Field(
-        9400, ge=0, le=65535, description="Port (0 picks a free one, written to the run dir)."
+        9410, ge=0, le=65535,
+        description="Port (0 picks a free one, written to the run dir). Not 9400: that is the "
+                    "DCGM exporter's default on GPU nodes.",
     )
     targets_file: str | None = Field(
         None,
