@@ -42,6 +42,7 @@ class Parts:
     poison_batches: set[int] = field(default_factory=set)
     slow_checkpoint_s: float = 0.0  # chaos: extra blocking time per save
     slow_first_step_s: float = 0.0  # chaos: extra time in each generation's first step
+    startup: dict[str, float | None] | None = None  # wall times of start-up milestones
 
 
 def _grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -110,6 +111,10 @@ def train(p: Parts) -> None:
         rec = train_step(p)
         if first and p.slow_first_step_s:
             time.sleep(p.slow_first_step_s)
+        if first and p.startup is not None and p.dctx.is_main:
+            # Where a (re)start's seconds went: process start, imports, process group,
+            # build + restore, first step (the recovery benchmark reads this).
+            p.worker.event("startup", first_step_done=time.time(), **p.startup)
         first = False
         step = p.progress.step
         if step % p.checkpoint_interval == 0 or step == cfg.steps:

@@ -20,7 +20,25 @@ def _log(rank: int):
     return log
 
 
+def process_start_time() -> float | None:
+    """Wall time this process was created (Linux /proc), for the start-up breakdown.
+
+    Its age is /proc/uptime (centiseconds) minus its start in clock ticks since boot;
+    /proc/stat's btime is whole seconds, too coarse for a sub-second launch.
+    """
+    try:
+        import os
+
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    startup = {"process_start": process_start_time(), "main": time.time()}
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     parser.add_argument("--config", help="Job YAML (default: ORCH_CONFIG from the agent).")
     args = parser.parse_args(argv)
@@ -41,12 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.loop import train
     from trainer.settings import load_settings
 
+    startup["imports_done"] = time.time()
+
     settings = load_settings(args.config or ctx.config_path, job=ctx.job if ctx.managed else None,
                              checkpoint_root=ctx.checkpoint_root)
     dctx = init_distributed(settings.trainer)
+    startup["dist_ready"] = time.time()
     parts = None
     try:
         parts = build_parts(settings, dctx, ctx, worker, log)
+        startup["built"] = time.time()  # model, optimizer, data, and the checkpoint restore
+        parts.startup = startup
         train(parts)
         log(f"done: step {parts.progress.step}, {parts.progress.tokens} tokens")
     finally:

@@ -305,7 +305,7 @@ class Intake:
 
 
 _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
-                        "stability_skip"}
+                        "stability_skip", "startup"}
 
 
 def _describe_exit(e: dict[str, Any]) -> str:
