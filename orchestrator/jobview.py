@@ -54,6 +54,7 @@ class JobView:
     skip_windows: list[list[int]] = field(default_factory=list)
     lr_scale: float = 1.0
     stability_events: int = 0
+    stability_counts: dict[str, int] = field(default_factory=dict)
     last_failure_reason: str | None = None
     health: list[dict[str, Any]] = field(default_factory=list)
 
@@ -118,6 +119,9 @@ class JobView:
         self.failures.append({k: v for k, v in e.items() if k not in ("seq", "kind")})
 
     def _on_checkpoint_committed(self, e: dict[str, Any]) -> None:
+        # A step pruned before can be committed again: a rollback discards the abandoned
+        # lineage's checkpoints and the new lineage saves the same steps.
+        self.pruned_steps.discard(e["step"])
         self.checkpoints = [c for c in self.checkpoints if c["step"] != e["step"]]
         self.checkpoints.append({"step": e["step"], "path": e.get("path"),
                                  "tokens": e.get("tokens"), "ts": e.get("ts"),
@@ -146,6 +150,8 @@ class JobView:
 
     def _on_stability(self, e: dict[str, Any]) -> None:
         self.stability_events += 1
+        kind = str(e.get("event", "?"))
+        self.stability_counts[kind] = self.stability_counts.get(kind, 0) + 1
 
     def _on_health(self, e: dict[str, Any]) -> None:
         self.health.append({k: v for k, v in e.items() if k not in ("seq", "kind")})

@@ -11,7 +11,7 @@ from trainer.checkpoint.layout import job_url
 from trainer.distributed import DistContext
 from trainer.loop import Parts
 from trainer.settings import WorkerSettings
-from trainer.state import STATE_LAYOUT, Progress, checkpoint_state
+from trainer.state import STATE_LAYOUT, GuardState, Progress, checkpoint_state
 
 
 def build_loader(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext) -> Any:
@@ -53,6 +53,12 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps, lr_scale=ctx.lr_scale)
     progress = Progress()
     state = checkpoint_state(model, optimizer, scheduler, progress, loader, dctx.rank)
+    guard = None
+    if "skip_step" in settings.stability.rule_actions().values():
+        from stability import SkipStepGuard
+
+        guard = SkipStepGuard(settings.stability)
+        state["stability"] = GuardState(guard)
     checkpointer = Checkpointer(
         settings.checkpoint, job_url(settings.checkpoint_root, settings.job), rank=dctx.rank,
         world_size=dctx.world_size, group=dctx.ckpt_group,
@@ -70,11 +76,6 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
             worker.event("resumed", step=progress.step, path=checkpointer.restored_url)
     else:
         log("no checkpoint found: starting from scratch")
-    guard = None
-    if any(a == "skip_step" for a in settings.stability.rule_actions().values()):
-        from stability import SkipStepGuard
-
-        guard = SkipStepGuard(settings.stability)
     poison = set(ctx.chaos.get("poison_batches") or [])
     return Parts(cfg, dctx, model, optimizer, scheduler, loader, progress, checkpointer, state,
                  worker, settings.checkpoint.interval_steps, log, guard, poison)

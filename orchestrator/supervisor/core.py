@@ -29,6 +29,7 @@ from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.placement import Placement, place
 from orchestrator.supervisor.policy import GenerationFailed, OperatorStop, RestartPolicy
+from orchestrator.supervisor.stability import StabilityHook
 
 # How often the observe loop wakes without news, to check silences and timeouts.
 _TICK_S = 0.2
@@ -64,6 +65,7 @@ class Supervisor:
         self.token = run.ensure_token()
         self.launcher = launcher or build_launcher(cfg, self.record)
         self.intake = Intake(self)
+        self.stability = StabilityHook(self)
         self.advertise_host = cfg.launcher.advertise_host or advertise_host
         self.url = ""
         self.stop_requested = asyncio.Event()
@@ -119,6 +121,7 @@ class Supervisor:
                 await self._drive()
         finally:
             await self._shutdown()
+            self.stability.save_cache()
             await server.stop()
             self.journal.close()
         return self.view.state
@@ -158,18 +161,30 @@ class Supervisor:
                         await self._run_generation()
                     return
                 except GenerationFailed as failed:
+                    # A pending rollback is carried out whatever stopped the generation: a
+                    # rank that crashed on a NaN still diverged first.
+                    failed_gen = failed.failure.get("generation")
+                    refusal = self.stability.refusal(self.view, failed_gen)
                     decision = self.policy.decide(self.view)
-                    if not decision.restart:
+                    if refusal or not decision.restart:
                         self.transition(JobState.FAILED, cause=failed.cause,
-                                        reason=decision.reason)
+                                        reason=refusal or decision.reason)
                         return
                     self.transition(JobState.RECOVERING, cause=failed.cause,
                                     delay_s=decision.delay_s)
+                    self._roll_back_if_pending(failed)
                     await self._sleep_or_stop(decision.delay_s)
         except OperatorStop:
             self.transition(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
         except JobFailed as exc:
             self.transition(JobState.FAILED, reason=str(exc))
+
+    def _roll_back_if_pending(self, failed: GenerationFailed) -> None:
+        try:
+            self.stability.roll_back(self.view, failed.failure)
+        except OSError as exc:  # resuming the abandoned lineage later would be worse
+            raise JobFailed(f"rollback could not discard the abandoned checkpoints: {exc}") \
+                from exc
 
     async def _provision(self) -> None:
         """PENDING: get one agent per node started (or adopt those already running)."""
@@ -278,6 +293,7 @@ class Supervisor:
         master = nodes.nodes[rank0]
         ppn = self.cfg.cluster.procs_per_node
         env = self._generation_env(generation)
+        self.intake.resume_max_step = None  # a rollback's limit holds for one launch only
         assignments = {}
         for node_id, node_rank in placement.active.items():
             assignments[node_id] = {
@@ -316,7 +332,9 @@ class Supervisor:
             "ORCH_CHECKPOINT_ROOT": self.checkpoint_root,
             "ORCH_SKIP_WINDOWS": json.dumps(self.view.skip_windows),
             "ORCH_LR_SCALE": repr(self.view.lr_scale),
-            "ORCH_RESUME_MAX_STEP": str(self.intake.resume_max_step or ""),
+            # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
+            "ORCH_RESUME_MAX_STEP": "" if self.intake.resume_max_step is None
+                                    else str(self.intake.resume_max_step),
             "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
                                       "fail_at_start_rank": chaos.fail_at_start_rank,
                                       "kills": self.intake.chaos.pending()}),
