@@ -93,8 +93,9 @@ def _default_config(records: Path) -> Path | None:
 
 
 def run_replay(records: Path, config: Path | None, overrides: list[str],
-               out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+               out: TextIO | None = None, err: TextIO | None = None) -> int:
     """The command: 0 when the file replayed, 2 on a bad file or config."""
+    out, err = out or sys.stdout, err or sys.stderr
     source = config or _default_config(records)
     try:
         cfg, interval = load_replay_config(source, overrides)
