@@ -165,8 +165,11 @@ class StabilityHook:
             self._offset = self.sup.rundir.steps.stat().st_size
         now = self.sup.clock.monotonic()
         if fired or now - self._cache_written >= _CACHE_EVERY_S:
-            self.save_cache()
             self._cache_written = now
+            try:
+                self.save_cache()
+            except OSError as exc:  # only start-up time depends on it: never fail a beat
+                self.sup.log.warning("stability: could not write the cache", error=str(exc))
 
     def _report(self, event: Event, generation: int, batch: Any) -> dict[str, Any]:
         data = event.to_dict()
