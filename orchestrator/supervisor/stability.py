@@ -38,7 +38,6 @@ from orchestrator.supervisor.rollback import (
 from stability.config import StabilityConfig
 from stability.events import Event
 from stability.lineage import LineageMonitor
-from stability.monitor import worst_action
 
 if TYPE_CHECKING:
     from orchestrator.jobview import JobView
@@ -138,7 +137,7 @@ class StabilityHook:
         ckpt = sup.cfg.checkpoint
         self.lineage, self._offset = load_lineage(
             sup.rundir, lambda: new_lineage(self.config, ckpt.interval_steps, ckpt.keep_last))
-        self.pending: RollbackPlan | None = None
+        self.pending: RollbackPlan | None = _pending_from(sup.view, self.config)
         self._cache_path = sup.rundir.root / CACHE_NAME
         self._cache_written = -math.inf
 
@@ -155,9 +154,14 @@ class StabilityHook:
                 continue
             batch = raw.get("batch")
             for event in events:
-                fired.append(self._report(event, generation, batch))
+                onset: dict[str, Any] = {}
                 if event.action in _ROLLBACK_ACTIONS:
-                    self._maybe_plan(event, generation)
+                    # Journaled with the event, so a restarted supervisor can rebuild the plan.
+                    step = self.lineage.onset_of(event)
+                    onset = {"onset_step": step, "onset_batch": self.lineage.batch_of(step)}
+                fired.append(self._report(event, generation, batch, onset))
+                if onset:
+                    self._maybe_plan(event, generation, **onset)
             if raw.get("skipped"):
                 fired.append(self._report_skipped(raw, generation))
         self.sup.metrics.on_stability(self.lineage.monitor.summary(), fired)
@@ -171,9 +175,11 @@ class StabilityHook:
             except OSError as exc:  # only start-up time depends on it: never fail a beat
                 self.sup.log.warning("stability: could not write the cache", error=str(exc))
 
-    def _report(self, event: Event, generation: int, batch: Any) -> dict[str, Any]:
+    def _report(self, event: Event, generation: int, batch: Any,
+                onset: dict[str, Any]) -> dict[str, Any]:
         data = event.to_dict()
         figures = {k: v for k, v in data.items() if k not in ("kind", "step", "rule", "action")}
+        figures.update(onset)
         self.sup.record("stability", event=event.kind, rule=event.rule, action=event.action,
                         step=event.step, generation=generation, batch=batch, **figures)
         log = self.sup.log.info if event.kind == "grad_spike_end" else self.sup.log.warning
@@ -193,15 +199,12 @@ class StabilityHook:
                              batch=raw.get("batch"))
         return data
 
-    def _maybe_plan(self, event: Event, generation: int) -> None:
+    def _maybe_plan(self, event: Event, generation: int, onset_step: int,
+                    onset_batch: int | None) -> None:
         if self.pending is not None and self.pending.generation == generation:
             return  # this generation is already being rolled back: one response per generation
-        if worst_action([event]) not in _ROLLBACK_ACTIONS:
-            return
-        onset = self.lineage.onset_of(event)
-        batch = self.lineage.batch_of(onset)
-        self.pending = plan_rollback(event, onset, batch, generation, self.config)
-        if batch is None and event.action == "rollback":
+        self.pending = plan_rollback(event, onset_step, onset_batch, generation, self.config)
+        if onset_batch is None and event.action == "rollback":
             self.sup.log.warning("stability: the records carry no batch index; rolling back "
                                  "without skipping data", step=event.step)
         self.sup.log.error("divergence: rollback requested", plan=self.pending.describe())
@@ -268,6 +271,21 @@ class StabilityHook:
         self.sup.rundir.write_json(self._cache_path, {
             "version": _CACHE_VERSION, "steps_offset": self._offset,
             "lineage": self.lineage.state_dict()})
+
+
+def _pending_from(view: JobView, config: StabilityConfig) -> RollbackPlan | None:
+    """A restarted supervisor's pending rollback: the journal's last rollback-action event
+    of the running generation that no ``rollback`` event has carried out yet."""
+    e = view.divergence
+    if e is None or e.get("generation") != view.generation:
+        return None
+    skip = ("event", "rule", "action", "step", "generation", "batch", "onset_step",
+            "onset_batch", "ts", "seq", "kind")
+    event = Event.from_dict({"kind": e["event"], "step": e["step"], "rule": e["rule"],
+                             "action": e["action"],
+                             **{k: v for k, v in e.items() if k not in skip}})
+    return plan_rollback(event, int(e["onset_step"]), e.get("onset_batch"), e["generation"],
+                         config)
 
 
 def _json_number(value: Any) -> Any:

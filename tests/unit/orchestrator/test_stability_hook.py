@@ -230,3 +230,18 @@ def test_a_step_committed_again_after_a_rollback_counts_as_committed() -> None:
     assert view.newest_checkpoint_step is None
     view.apply({"kind": "checkpoint_committed", "step": 30, "path": "b"})
     assert view.newest_checkpoint_step == 30
+
+
+def test_a_supervisor_restarted_mid_divergence_still_rolls_back(tmp_path: Path) -> None:
+    first = FakeSupervisor(tmp_path)
+    first.record("generation_launched", generation=1)
+    first.beat(1, records(1, 24) + records(25, 27, {25: 900.0}))
+    plan = first.stability.pending
+    first.journal.close()
+    again = FakeSupervisor(tmp_path)  # died before the rollback was carried out
+    assert again.stability.pending == plan
+    assert again.stability.divergence(1)["onset_step"] == 25
+    again.stability.roll_back(again.view, {"generation": 1, "last_step": 27})
+    again.journal.close()
+    after = FakeSupervisor(tmp_path)  # the rollback is in the journal: nothing pending
+    assert after.stability.pending is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -23,6 +24,7 @@ def test_params_digest_sees_a_single_changed_value(small_args: ModelArgs) -> Non
     assert params_digest(a)["crc32"] != params_digest(b)["crc32"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_guard_state_rides_in_a_dcp_checkpoint(tmp_path) -> None:
     cfg = StabilityConfig(warmup_steps=3, grad_spike={"window": 3, "action": "skip_step"})
     guard = SkipStepGuard(cfg)
