@@ -54,6 +54,8 @@ class JobView:
     skip_windows: list[list[int]] = field(default_factory=list)
     lr_scale: float = 1.0
     stability_events: int = 0
+    stability_counts: dict[str, int] = field(default_factory=dict)
+    divergence: dict[str, Any] | None = None  # a rollback asked for and not yet carried out
     last_failure_reason: str | None = None
     health: list[dict[str, Any]] = field(default_factory=list)
     first_steps: dict[int, int] = field(default_factory=dict)
@@ -123,6 +125,9 @@ class JobView:
                                  "reason": f"{e.get('cause')}: {e.get('message')}"})
 
     def _on_checkpoint_committed(self, e: dict[str, Any]) -> None:
+        # A step pruned before can be committed again: a rollback discards the abandoned
+        # lineage's checkpoints and the new lineage saves the same steps.
+        self.pruned_steps.discard(e["step"])
         self.checkpoints = [c for c in self.checkpoints if c["step"] != e["step"]]
         self.checkpoints.append({"step": e["step"], "path": e.get("path"),
                                  "tokens": e.get("tokens"), "ts": e.get("ts"),
@@ -151,9 +156,16 @@ class JobView:
         if window:
             self.skip_windows.append(list(window))
         self.lr_scale = e.get("lr_scale_total", self.lr_scale)
+        self.divergence = None
 
     def _on_stability(self, e: dict[str, Any]) -> None:
         self.stability_events += 1
+        kind = str(e.get("event", "?"))
+        self.stability_counts[kind] = self.stability_counts.get(kind, 0) + 1
+        # The first rollback-action firing of a generation is the one the supervisor acts on.
+        first = self.divergence is None or self.divergence.get("generation") != e.get("generation")
+        if e.get("action") in ("rollback", "lower_lr") and first:
+            self.divergence = {k: v for k, v in e.items() if k not in ("seq", "kind")}
 
     def _on_health(self, e: dict[str, Any]) -> None:
         self.health.append({k: v for k, v in e.items() if k not in ("seq", "kind")})

@@ -104,4 +104,29 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
         "rollbacks": view.rollbacks,
         "goodput": books["goodput"],
         "books": books,
+        "stability": stability_status(view, run),
     }
+
+
+_PICTURE_KEYS = ("step", "last_grad_norm", "running_mean", "threshold", "last_param_norm",
+                 "last_loss", "spikes_total", "spike_length_histogram", "longest_spike",
+                 "current_spike_length", "growth_ratio", "lowest_grad_norm",
+                 "loss_spikes_total", "nonfinite_total", "param_norm_jumps_total")
+
+
+def stability_status(view: JobView, run: RunDir) -> dict[str, Any]:
+    """The stability picture: the detectors' figures on the current lineage (rebuilt from
+    ``steps.jsonl`` as the supervisor holds them), journaled events by kind, and rollbacks."""
+    from orchestrator.supervisor.stability import load_lineage, run_lineage
+
+    lineage, _ = load_lineage(run, run_lineage(run))
+    summary = lineage.monitor.summary()
+    picture = {k: summary.get(k) for k in _PICTURE_KEYS}
+    rollbacks = [{k: r.get(k) for k in ("action", "detected_step", "onset_step", "onset_batch",
+                                          "restore_step", "skip_window", "lr_scale_total",
+                                          "wasted_steps", "generation")}
+                 | {"event": (r.get("trigger") or {}).get("kind")} for r in view.rollbacks]
+    return {**picture, "events": dict(sorted(view.stability_counts.items())),
+            "updates_skipped": view.stability_counts.get("update_skipped", 0),
+            "rollbacks": rollbacks, "skip_windows": view.skip_windows,
+            "lr_scale": view.lr_scale}

@@ -17,6 +17,7 @@ from stability.config import (
     StabilityConfig,
 )
 from stability.events import Event
+from stability.lineage import LineageMonitor
 from stability.monitor import ACTION_ORDER, SkipStepGuard, StabilityMonitor, worst_action
 from stability.records import StepRecord
 from stability.replay import read_jsonl, replay
@@ -26,6 +27,7 @@ __all__ = [
     "Event",
     "GradSpikeConfig",
     "GrowthConfig",
+    "LineageMonitor",
     "LossConfig",
     "LossSpikeConfig",
     "NonFiniteConfig",

@@ -12,7 +12,7 @@ from trainer.checkpoint.layout import job_url
 from trainer.distributed import DistContext
 from trainer.loop import Parts
 from trainer.settings import WorkerSettings
-from trainer.state import STATE_LAYOUT, Progress, checkpoint_state
+from trainer.state import STATE_LAYOUT, GuardState, Progress, checkpoint_state
 
 
 def build_loader(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext) -> Any:
@@ -54,6 +54,12 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps, lr_scale=ctx.lr_scale)
     progress = Progress()
     state = checkpoint_state(model, optimizer, scheduler, progress, loader, dctx.rank)
+    guard = None
+    if "skip_step" in settings.stability.rule_actions().values():
+        from stability import SkipStepGuard
+
+        guard = SkipStepGuard(settings.stability)
+        state["stability"] = GuardState(guard)
     checkpointer = Checkpointer(
         settings.checkpoint, job_url(settings.checkpoint_root, settings.job), rank=dctx.rank,
         world_size=dctx.world_size, group=dctx.ckpt_group,
@@ -75,11 +81,6 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                          load_s=round(load_s, 6))
     else:
         log("no checkpoint found: starting from scratch")
-    guard = None
-    if any(a == "skip_step" for a in settings.stability.rule_actions().values()):
-        from stability import SkipStepGuard
-
-        guard = SkipStepGuard(settings.stability)
     chaos = ctx.chaos
     return Parts(cfg, dctx, model, optimizer, scheduler, loader, progress, checkpointer, state,
                  worker, settings.checkpoint.interval_steps, log, guard,

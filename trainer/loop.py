@@ -17,7 +17,7 @@ from stability.norms import clip_grad_norm_, param_norm
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import TrainerConfig
 from trainer.distributed import DistContext, all_reduce_mean
-from trainer.state import Progress
+from trainer.state import Progress, params_digest
 
 # A poisoned batch (chaos) scales its loss, hence its gradients, by this much: a gradient
 # explosion the stability detectors must catch, reproducible from the batch index alone.
@@ -133,3 +133,7 @@ def train(p: Parts) -> None:
                   + (" (update skipped)" if rec.get("skipped") else "")
                   + ("" if math.isfinite(loss) else " NON-FINITE LOSS"))
     p.checkpointer.wait()
+    # Every rank reports its parameters' checksum: replicas (DDP) that disagree have drifted.
+    digest = params_digest(p.model)
+    p.log(f"final parameters: crc32 {digest['crc32']} over {digest['numel']} local values")
+    p.worker.event("params_digest", step=p.progress.step, **digest)

@@ -8,8 +8,10 @@ every RNG of every rank ride along in the same DCP checkpoint. RNG states are pe
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,39 @@ class RngState(Stateful):
             torch.cuda.set_rng_state_all(states["cuda"])
 
 
+class GuardState(Stateful):
+    """The stability ``SkipStepGuard``'s detector state, so a resumed rank decides as before.
+
+    Plain JSON in one string: every rank holds the same state (the guard is fed globally
+    reduced values), so DCP keeps one copy and every rank loads it.
+    """
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"json": json.dumps(self.guard.state_dict(), allow_nan=False)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.guard.load_state_dict(json.loads(state_dict["json"]))
+
+
+def params_digest(model: nn.Module) -> dict[str, Any]:
+    """CRC32 over this rank's parameter bytes (local shards under FSDP2), in module order.
+
+    Replicated strategies (DDP, none) must give the same digest on every rank: ranks that
+    disagree have drifted apart (one applied an update the other skipped).
+    """
+    crc, numel = 0, 0
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            data = local.detach().contiguous().cpu()
+            crc = zlib.crc32(data.view(torch.uint8).numpy().tobytes(), crc)
+            numel += data.numel()
+    return {"crc32": f"{crc:08x}", "numel": numel}
+
+
 def rng_key(rank: int) -> str:
     return f"rng_rank{rank:05d}"
 
@@ -107,4 +142,5 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, schedul
 
 
 STATE_LAYOUT = {"model_and_optimizer": "app", "lr_schedule": "schedule",
-                "counters": "progress", "data_loader": "data", "rng": "rng_rank<RANK>"}
+                "counters": "progress", "data_loader": "data", "rng": "rng_rank<RANK>",
+                "skip_step_guard": "stability (only when a rule's action is skip_step)"}

@@ -17,6 +17,8 @@ app = typer.Typer(
 )
 data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+stability_app = typer.Typer(help="Training-stability detectors.", no_args_is_help=True)
+app.add_typer(stability_app, name="stability")
 
 ConfigArg = Annotated[Path | None, typer.Argument(
     help="Config YAML (default: the embedded configs/local.yaml).", show_default=False)]
@@ -105,6 +107,23 @@ def data_prepare(
     from orchestrator.cli.views import prepare_data
 
     raise typer.Exit(prepare_data(out, source or "stdlib", tokenizer, max_bytes))
+
+
+@stability_app.command("replay")
+def stability_replay(
+    records: Annotated[Path, typer.Argument(
+        help="JSONL step records (step, loss, grad_norm, param_norm, lr; a run's steps.jsonl).")],
+    config: Annotated[Path | None, typer.Option(
+        help="Job config or stability section (default: the run's config.yaml beside a "
+             "steps.jsonl, else the built-in defaults).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Override a threshold: --set grad_spike.margin=0.2 (repeatable).")]
+    = None,
+) -> None:
+    """Run the detectors over recorded steps; print one JSON object a line per event."""
+    from orchestrator.cli.replay import run_replay
+
+    raise typer.Exit(run_replay(records, config, overrides or []))
 
 
 def main() -> None:

@@ -106,6 +106,7 @@ def show_status(run_dir: Path | None, json_out: bool) -> int:
         out.print("[bold]last log lines of the root cause:[/bold]")
         for line in status["root_cause"]["log_tail"][-10:]:
             out.print(f"  {line}", markup=False, highlight=False)
+    _print_stability(status["stability"])
     if status["checkpoints"]:
         t = Table(title="checkpoints", title_justify="left")
         t.add_column("step", justify="right")
@@ -122,6 +123,40 @@ def show_status(run_dir: Path | None, json_out: bool) -> int:
         t.add_row(node_id, n["state"], str(n.get("node_rank")), n.get("host", ""))
     out.print(t)
     return 0
+
+
+def _num(value: object, fmt: str = ".4g") -> str:
+    if value is None:
+        return "-"
+    return format(value, fmt) if isinstance(value, int | float) else str(value)
+
+
+def _print_stability(st: dict) -> None:
+    """The stability picture: grad norm against r, spikes and their lengths, growth, rollbacks."""
+    t = Table(title="stability", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("grad norm", f"{_num(st['last_grad_norm'])} (r {_num(st['running_mean'])}, "
+                           f"threshold {_num(st['threshold'])}) at step {_num(st['step'])}")
+    lengths = ", ".join(f"{k}: {n}" for k, n in (st["spike_length_histogram"] or {}).items()
+                        if n) or "none"
+    t.add_row("spikes (lineage)", f"{_num(st['spikes_total'])} (by length {lengths}); longest "
+                        f"{_num(st['longest_spike'])}, current {_num(st['current_spike_length'])}")
+    t.add_row("growth", f"{_num(st['growth_ratio'], '.3g')}x over the lowest grad norm "
+                        f"{_num(st['lowest_grad_norm'])}")
+    t.add_row("param norm", _num(st["last_param_norm"]))
+    t.add_row("loss spikes / non-finite", f"{_num(st['loss_spikes_total'])} / "
+                                          f"{_num(st['nonfinite_total'])}")
+    t.add_row("updates skipped", str(st["updates_skipped"]))
+    t.add_row("events journaled", ", ".join(f"{k} x{n}" for k, n in st["events"].items())
+              or "none")
+    rollbacks = [f"step {r['detected_step']} ({r['event']}, onset {r['onset_step']}) -> "
+                 f"checkpoint {r['restore_step'] if r['restore_step'] is not None else 'none'}"
+                 + (f", skipped batches [{r['skip_window'][0]}, {r['skip_window'][1]})"
+                    if r["skip_window"] else "")
+                 + f", LR x{_num(r['lr_scale_total'], '.3g')}" for r in st["rollbacks"]]
+    t.add_row("rollbacks", "\n".join(rollbacks) or "none")
+    out.print(t)
 
 
 def validate_config(config: Path, overrides: list[str]) -> int:

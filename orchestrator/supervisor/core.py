@@ -32,6 +32,7 @@ from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.placement import Placement, place
 from orchestrator.supervisor.policy import GenerationFailed, OperatorStop, RestartPolicy
+from orchestrator.supervisor.stability import StabilityHook
 
 # How often the observe loop wakes without news, to check silences and timeouts.
 _TICK_S = 0.2
@@ -67,6 +68,7 @@ class Supervisor:
         self.token = run.ensure_token(os.environ.get("ORCH_TOKEN") or None)
         self.launcher = launcher or build_launcher(cfg, self.record)
         self.intake = Intake(self)
+        self.stability = StabilityHook(self)
         self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
         self.url = ""
         self.stop_requested = asyncio.Event()
@@ -128,6 +130,7 @@ class Supervisor:
             self.books.refresh()
             await self._shutdown()
             await target.retire(self.view.state.terminal)
+            self.stability.save_cache()
             await server.stop()
             self.journal.close()
         return self.view.state
@@ -167,18 +170,30 @@ class Supervisor:
                         await self._run_generation()
                     return
                 except GenerationFailed as failed:
+                    # A pending rollback is carried out whatever stopped the generation: a
+                    # rank that crashed on a NaN still diverged first.
+                    failed_gen = failed.failure.get("generation")
+                    refusal = self.stability.refusal(self.view, failed_gen)
                     decision = self.policy.decide(self.view)
-                    if not decision.restart:
+                    if refusal or not decision.restart:
                         self.transition(JobState.FAILED, cause=failed.cause,
-                                        reason=decision.reason)
+                                        reason=refusal or decision.reason)
                         return
                     self.transition(JobState.RECOVERING, cause=failed.cause,
                                     delay_s=decision.delay_s)
+                    self._roll_back_if_pending(failed)
                     await self._sleep_or_stop(decision.delay_s)
         except OperatorStop:
             self.transition(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
         except JobFailed as exc:
             self.transition(JobState.FAILED, reason=str(exc))
+
+    def _roll_back_if_pending(self, failed: GenerationFailed) -> None:
+        try:
+            self.stability.roll_back(self.view, failed.failure)
+        except OSError as exc:  # resuming the abandoned lineage later would be worse
+            raise JobFailed(f"rollback could not discard the abandoned checkpoints: {exc}") \
+                from exc
 
     async def _provision(self) -> None:
         """PENDING: get one agent per node started (or adopt those already running)."""
@@ -338,6 +353,7 @@ class Supervisor:
         master = nodes.nodes[rank0]
         ppn = self.cfg.cluster.procs_per_node
         env = self._generation_env(generation)
+        self.intake.resume_max_step = None  # a rollback's limit holds for one launch only
         assignments = {}
         for node_id, node_rank in placement.active.items():
             assignments[node_id] = {
@@ -378,7 +394,9 @@ class Supervisor:
             "ORCH_CHECKPOINT_ROOT": self.checkpoint_root,
             "ORCH_SKIP_WINDOWS": json.dumps(self.view.skip_windows),
             "ORCH_LR_SCALE": repr(self.view.lr_scale),
-            "ORCH_RESUME_MAX_STEP": str(self.intake.resume_max_step or ""),
+            # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
+            "ORCH_RESUME_MAX_STEP": "" if self.intake.resume_max_step is None
+                                    else str(self.intake.resume_max_step),
             "ORCH_COLLECTIVE_TIMEOUT_S": str(round(collective_timeout_s(
                 self.cfg.timeouts, self.intake.training_timeout), 1)),
             "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,

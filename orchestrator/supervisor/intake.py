@@ -93,9 +93,11 @@ class Intake:
             raise UnknownNode(hb.node_id)
         self.progress.on_ranks(hb.generation, hb.ranks)
         if hb.records:
-            self.progress.on_records(hb.generation, hb.records)
+            accepted = self.progress.on_records(hb.generation, hb.records)
             for rec in hb.records:
                 self.sup.metrics.on_record(rec)
+            if accepted and hb.generation is not None:
+                self.sup.stability.on_records(hb.generation, hb.records)
         return {"assignment_version": node.assignment.version}
 
     def on_events(self, batch: EventBatch) -> None:
@@ -163,10 +165,14 @@ class Intake:
         """Fold one observation (or a quiet tick) into the generation's outcome, if any."""
         from orchestrator.supervisor.core import Outcome
 
-        if obs is not None:
-            outcome = self._observe(generation, obs)
-            if outcome is not None:
-                return outcome
+        outcome = self._observe(generation, obs) if obs is not None else None
+        # A pending rollback outranks whatever else this observation says (a rank that died
+        # of a NaN, or even completion): the lineage diverged and must be rolled back.
+        divergence = self.sup.stability.divergence(generation)
+        if divergence is not None:
+            return Outcome(Cause.DIVERGENCE, divergence)
+        if outcome is not None:
+            return outcome
         lost = [n for n in self.mark_silent_nodes_lost()
                 if n.node_rank is not None and n.node_id in self._generation_nodes()]
         if lost:

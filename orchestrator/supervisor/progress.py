@@ -82,11 +82,14 @@ class ProgressTracker:
             rp.last_step_ts = info.last_step_ts
             rp.step_interval_max = info.step_interval_max
 
-    def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> None:
-        """Rank 0's step records: append to steps.jsonl, note first/last step, journal."""
+    def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> bool:
+        """Rank 0's step records: append to steps.jsonl, note first/last step, journal.
+
+        Returns whether they were taken (False for a generation other than the current one).
+        """
         gen = self.current
         if not records or gen is None or generation != gen.generation:
-            return
+            return False
         with open(self._steps_path, "a") as f:
             for rec in records:
                 f.write(json.dumps({"generation": generation, **rec}, default=str) + "\n")
@@ -102,6 +105,7 @@ class ProgressTracker:
         now = self._clock.monotonic()
         if now - self._last_journaled >= self._journal_every_s:
             self.journal_progress()
+        return True
 
     def journal_progress(self) -> None:
         gen = self.current

@@ -1,0 +1,296 @@
+"""The supervisor's stability hook: detectors on rank 0's step stream, and rollbacks.
+
+Rank 0's records reach ``on_records`` from the heartbeats (after ``ProgressTracker`` has
+appended them to ``steps.jsonl``). A ``LineageMonitor`` held here, in the supervisor, runs the
+detectors: its state survives worker restarts because it never lived in a worker, and a redone
+step is handled by the lineage rules (reset to the snapshot of the checkpoint the generation
+resumed from). Every event becomes a ``stability`` journal event, a metric
+(``SupervisorMetrics.on_stability``) and a log line. A rule whose action is ``rollback`` or
+``lower_lr`` leaves a ``RollbackPlan`` pending; ``Intake.judge`` turns it into a ``divergence``
+outcome and the recovery path calls ``roll_back``.
+
+Surviving a supervisor restart: ``steps.jsonl`` is the source of truth, and replaying it through
+the same monitor rebuilds the same state. Replaying a long run costs ~35 us a record (100,000
+steps: 3-4 s of start-up, which the supervisor must not spend), so the hook also keeps a cache,
+``stability.json``: the lineage's state and the byte offset of ``steps.jsonl`` it covers,
+rewritten atomically every few seconds. Start-up loads the cache and replays only the records
+past its offset; with no usable cache it replays the whole file. The cache is not a second
+source of truth: deleting it changes nothing but the start-up time. (Snapshots in the journal
+were the alternative; at ~2.5 KB a state they would bloat the file every reader folds.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.rundir import RunDir
+from orchestrator.supervisor.rollback import (
+    RollbackPlan,
+    budget_refusal,
+    plan_rollback,
+    restore_step,
+    steps_to_discard,
+)
+from stability.config import StabilityConfig
+from stability.events import Event
+from stability.lineage import LineageMonitor
+
+if TYPE_CHECKING:
+    from orchestrator.jobview import JobView
+    from orchestrator.supervisor.core import Supervisor
+
+CACHE_NAME = "stability.json"
+_CACHE_VERSION = 1
+# Seconds between cache rewrites: a supervisor restart replays at most this much of the stream.
+_CACHE_EVERY_S = 2.0
+_ROLLBACK_ACTIONS = ("rollback", "lower_lr")
+
+
+def iter_step_lines(path: Path, offset: int = 0) -> Iterator[tuple[dict[str, Any], int]]:
+    """``(record, end offset)`` for each complete JSON line of ``path`` from byte ``offset``.
+
+    A torn last line (still being written) and garbled lines are skipped.
+    """
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pos = offset
+        for line in f:
+            pos += len(line)
+            if not line.endswith(b"\n"):
+                return
+            try:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(rec, dict):
+                yield rec, pos
+
+
+def new_lineage(stability: StabilityConfig, checkpoint_every: int | None,
+                keep_last: int) -> LineageMonitor:
+    """The monitor for a job: snapshots at its checkpoint steps, as many as may be restored."""
+    return LineageMonitor(stability, checkpoint_every=checkpoint_every,
+                          max_snapshots=keep_last + 2)
+
+
+def load_lineage(run: RunDir, make: Callable[[], LineageMonitor]) -> tuple[LineageMonitor, int]:
+    """The lineage as of the end of ``steps.jsonl``, and the offset it covers.
+
+    Starts from the cache when it is readable and not past the file's end, else from a fresh
+    ``make()``; then replays the records past that point.
+    """
+    lineage = make()
+    offset = 0
+    cache = _read_cache(run.root / CACHE_NAME)
+    size = run.steps.stat().st_size if run.steps.exists() else 0
+    if cache is not None and isinstance(cache.get("steps_offset"), int) \
+            and 0 <= cache["steps_offset"] <= size:
+        try:
+            lineage.load_state_dict(cache["lineage"])
+            offset = cache["steps_offset"]
+        except (KeyError, TypeError, ValueError):
+            lineage, offset = make(), 0
+    for rec, end in iter_step_lines(run.steps, offset):
+        try:
+            lineage.feed(rec, int(rec.get("generation") or 0))
+        except ValueError:
+            pass  # a record the live hook also skipped (and logged)
+        offset = end
+    return lineage, offset
+
+
+def _read_cache(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == _CACHE_VERSION else None
+
+
+def run_lineage(run: RunDir) -> Callable[[], LineageMonitor]:
+    """A factory of fresh monitors as a run's resolved ``config.yaml`` sets them up (defaults
+    where it is unreadable): what ``status`` rebuilds the live picture with."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(run.config.read_text()) or {}
+        stability = StabilityConfig.model_validate(data.get("stability") or {})
+        ckpt = data.get("checkpoint") or {}
+        every, keep = int(ckpt.get("interval_steps") or 0) or None, int(ckpt.get("keep_last") or 3)
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        stability, every, keep = StabilityConfig(), None, 3
+    return lambda: new_lineage(stability, every, keep)
+
+
+class StabilityHook:
+    """Held by the supervisor: detectors on rank 0's records, pending rollback, rollbacks."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.config = sup.cfg.stability
+        ckpt = sup.cfg.checkpoint
+        self.lineage, self._offset = load_lineage(
+            sup.rundir, lambda: new_lineage(self.config, ckpt.interval_steps, ckpt.keep_last))
+        self.pending: RollbackPlan | None = _pending_from(sup.view, self.config)
+        self._cache_path = sup.rundir.root / CACHE_NAME
+        self._cache_written = -math.inf
+
+    # -- the live stream -----------------------------------------------------------------------
+    def on_records(self, generation: int, records: list[dict[str, Any]]) -> None:
+        """Feed rank 0's records of ``generation``; journal, count and log what fires."""
+        fired: list[dict[str, Any]] = []
+        for raw in records:
+            try:
+                events = self.lineage.feed(raw, generation)
+            except ValueError as exc:
+                self.sup.log.warning("stability: unreadable step record skipped",
+                                     step=raw.get("step"), error=str(exc))
+                continue
+            batch = raw.get("batch")
+            for event in events:
+                onset: dict[str, Any] = {}
+                if event.action in _ROLLBACK_ACTIONS:
+                    # Journaled with the event, so a restarted supervisor can rebuild the plan.
+                    step = self.lineage.onset_of(event)
+                    onset = {"onset_step": step, "onset_batch": self.lineage.batch_of(step)}
+                fired.append(self._report(event, generation, batch, onset))
+                if onset:
+                    self._maybe_plan(event, generation, **onset)
+            if raw.get("skipped"):
+                fired.append(self._report_skipped(raw, generation))
+        self.sup.metrics.on_stability(self.lineage.monitor.summary(), fired)
+        if self.sup.rundir.steps.exists():
+            self._offset = self.sup.rundir.steps.stat().st_size
+        now = self.sup.clock.monotonic()
+        if fired or now - self._cache_written >= _CACHE_EVERY_S:
+            self._cache_written = now
+            try:
+                self.save_cache()
+            except OSError as exc:  # only start-up time depends on it: never fail a beat
+                self.sup.log.warning("stability: could not write the cache", error=str(exc))
+
+    def _report(self, event: Event, generation: int, batch: Any,
+                onset: dict[str, Any]) -> dict[str, Any]:
+        data = event.to_dict()
+        figures = {k: v for k, v in data.items() if k not in ("kind", "step", "rule", "action")}
+        figures.update(onset)
+        self.sup.record("stability", event=event.kind, rule=event.rule, action=event.action,
+                        step=event.step, generation=generation, batch=batch, **figures)
+        log = self.sup.log.info if event.kind == "grad_spike_end" else self.sup.log.warning
+        log("stability rule fired", kind=event.kind, rule=event.rule, action=event.action,
+            step=event.step, **figures)
+        return data
+
+    def _report_skipped(self, raw: dict[str, Any], generation: int) -> dict[str, Any]:
+        # The worker's SkipStepGuard skipped this update (on every rank): make it visible.
+        data = {"kind": "update_skipped", "step": raw.get("step"), "rule": "worker",
+                "action": "skip_step"}
+        self.sup.record("stability", event="update_skipped", rule="worker", action="skip_step",
+                        step=raw.get("step"), generation=generation, batch=raw.get("batch"),
+                        grad_norm=_json_number(raw.get("grad_norm")),
+                        loss=_json_number(raw.get("loss")))
+        self.sup.log.warning("optimizer update skipped by the workers", step=raw.get("step"),
+                             batch=raw.get("batch"))
+        return data
+
+    def _maybe_plan(self, event: Event, generation: int, onset_step: int,
+                    onset_batch: int | None) -> None:
+        if self.pending is not None and self.pending.generation == generation:
+            return  # this generation is already being rolled back: one response per generation
+        self.pending = plan_rollback(event, onset_step, onset_batch, generation, self.config)
+        if onset_batch is None and event.action == "rollback":
+            self.sup.log.warning("stability: the records carry no batch index; rolling back "
+                                 "without skipping data", step=event.step)
+        self.sup.log.error("divergence: rollback requested", plan=self.pending.describe())
+
+    # -- the recovery path ------------------------------------------------------------------
+    def divergence(self, generation: int) -> dict[str, Any] | None:
+        """The outcome detail while a rollback of ``generation`` is pending, else None."""
+        plan = self.pending
+        if plan is None or plan.generation != generation:
+            return None
+        return {"message": plan.describe(), "step": plan.detected_step,
+                "onset_step": plan.onset_step, "event": plan.trigger.get("kind"),
+                "rule": plan.trigger.get("rule")}
+
+    def refusal(self, view: JobView, generation: int | None) -> str | None:
+        """Why the rollback pending for ``generation`` may not happen (budget spent), or None."""
+        if self.pending is None or self.pending.generation != generation:
+            return None
+        return budget_refusal(view.rollbacks, self.pending.onset_step, self.config)
+
+    def roll_back(self, view: JobView, failure: dict[str, Any]) -> dict[str, Any] | None:
+        """Carry out the plan pending for the generation ``failure`` ended, before the next
+        launch; returns the ``rollback`` journal event (None when there was no plan).
+
+        Checkpoints newer than the restore point belong to the abandoned lineage: they are
+        deleted, so no later restart can resume them (raises OSError when that fails). The
+        next generation restores at most ``restore_max_step`` and reads the journal's skip
+        windows and LR scale (``JobView._on_rollback`` folds them in).
+        """
+        plan, self.pending = self.pending, None
+        if plan is None or plan.generation != failure.get("generation"):
+            return None  # nothing pending, or a late plan from a generation already handled
+        from_step = failure.get("last_step")
+        from trainer.checkpoint import layout
+
+        job_root = layout.job_url(self.sup.checkpoint_root, self.sup.cfg.job.name)
+        infos = layout.list_checkpoints(job_root)
+        discard = steps_to_discard([c.step for c in infos], plan.restore_max_step)
+        for info in infos:
+            if info.step in discard:
+                fs, path = layout.filesystem(info.url)
+                fs.rm(path, recursive=True)
+        if discard:
+            self.sup.record("checkpoint_pruned", steps=discard, reason="rollback")
+        target = restore_step([c.step for c in infos if c.committed and c.step not in discard],
+                              plan.restore_max_step)
+        event = self.sup.record(
+            "rollback", action=plan.action, generation=plan.generation, trigger=plan.trigger,
+            detected_step=plan.detected_step, onset_step=plan.onset_step,
+            onset_batch=plan.onset_batch, restore_max_step=plan.restore_max_step,
+            restore_step=target,
+            skip_window=list(plan.skip_window) if plan.skip_window else None,
+            lr_scale=plan.lr_scale, lr_scale_total=view.lr_scale * plan.lr_scale,
+            discarded_checkpoints=discard, from_step=from_step,
+            wasted_steps=None if from_step is None else max(0, from_step - (target or 0)))
+        self.sup.intake.resume_max_step = plan.restore_max_step
+        self.sup.log.warning("rolled back", restore_step=target, skip_window=plan.skip_window,
+                             lr_scale_total=event["lr_scale_total"], discarded=discard)
+        return event
+
+    # -- persistence -------------------------------------------------------------------------
+    def save_cache(self) -> None:
+        """Write the lineage state and the ``steps.jsonl`` offset it covers (atomically)."""
+        self.sup.rundir.write_json(self._cache_path, {
+            "version": _CACHE_VERSION, "steps_offset": self._offset,
+            "lineage": self.lineage.state_dict()})
+
+
+def _pending_from(view: JobView, config: StabilityConfig) -> RollbackPlan | None:
+    """A restarted supervisor's pending rollback: the journal's last rollback-action event
+    of the running generation that no ``rollback`` event has carried out yet."""
+    e = view.divergence
+    if e is None or e.get("generation") != view.generation:
+        return None
+    skip = ("event", "rule", "action", "step", "generation", "batch", "onset_step",
+            "onset_batch", "ts", "seq", "kind")
+    event = Event.from_dict({"kind": e["event"], "step": e["step"], "rule": e["rule"],
+                             "action": e["action"],
+                             **{k: v for k, v in e.items() if k not in skip}})
+    return plan_rollback(event, int(e["onset_step"]), e.get("onset_batch"), e["generation"],
+                         config)
+
+
+def _json_number(value: Any) -> Any:
+    # The journal is strict JSON for its readers: a NaN loss is written "nan" (stability's
+    # convention), never the non-standard NaN token.
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
