@@ -28,22 +28,30 @@ import torch  # noqa: E402
 from common import header, write  # noqa: E402
 
 H100_BF16_DENSE = 989e12
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def matmul_peak(n: int = 8192, iters: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if DEVICE != "cuda":
+        n, iters = 512, 3
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     for _ in range(iters):
         a @ b
-    torch.cuda.synchronize()
+    _sync()
     return 2 * n**3 * iters / (time.perf_counter() - t)
 
 
-class _NoWorker:
+class _NoWorker:  # noqa: D101
     """The SDK's surface with nothing behind it (monitoring off)."""
 
     def step_done(self, step: int, **_: Any) -> None:
@@ -57,7 +65,8 @@ class _NoWorker:
         return None
 
 
-def build(compile_: bool, strategy: str, mbs: int, seq: int, ac: str, data: str):
+def build(compile_: bool, strategy: str, mbs: int, seq: int, ac: str, data: str,
+          preset: str):
     from orchestrator.worker import WorkerContext
     from trainer.build import build_parts
     from trainer.config import CheckpointConfig, TrainerConfig
@@ -66,12 +75,13 @@ def build(compile_: bool, strategy: str, mbs: int, seq: int, ac: str, data: str)
     from stability.config import StabilityConfig
 
     cfg = TrainerConfig.model_validate({
-        "steps": 10_000, "device": "cuda", "deterministic": False,
-        "model": {"preset": "1b"},
+        "steps": 10_000, "device": DEVICE, "deterministic": False,
+        "model": {"preset": preset},
         "data": {"path": data, "seq_len": seq, "micro_batch_size": mbs},
         "optimizer": {"lr": 3e-4, "fused": True}, "schedule": {"warmup_steps": 10},
         "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
-        "parallelism": {"strategy": strategy, "backend": "nccl", "compile": compile_,
+        "parallelism": {"strategy": strategy, "backend": "nccl" if DEVICE == "cuda" else "gloo",
+                        "compile": compile_,
                         "activation_checkpointing": ac},
         "param_norm_every": 10_000,
     })
@@ -86,10 +96,10 @@ def time_steps(parts, n: int) -> list[float]:
 
     out = []
     for _ in range(n):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         train_step(parts)
-        torch.cuda.synchronize()
+        _sync()
         out.append(time.perf_counter() - t)
     return out
 
@@ -97,10 +107,11 @@ def time_steps(parts, n: int) -> list[float]:
 def run_mode(compile_: bool, args: argparse.Namespace, peak: float) -> dict[str, Any]:
     from trainer.presets import PRESETS
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    parts = build(compile_, args.strategy, args.mbs, args.seq, args.ac, args.data)
+    parts = build(compile_, args.strategy, args.mbs, args.seq, args.ac, args.data, args.preset)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     warm = time_steps(parts, args.warmup)
@@ -108,7 +119,7 @@ def run_mode(compile_: bool, args: argparse.Namespace, peak: float) -> dict[str,
     steps = time_steps(parts, args.steps)
     step_s = statistics.median(steps)
     tokens = args.mbs * args.seq
-    flops = PRESETS["1b"].flops_per_token(args.seq) * tokens
+    flops = PRESETS[args.preset].flops_per_token(args.seq) * tokens
     result = {
         "compile": compile_, "strategy": args.strategy, "activation_checkpointing": args.ac,
         "micro_batch_size": args.mbs, "seq_len": args.seq, "build_s": round(build_s, 2),
@@ -116,7 +127,8 @@ def run_mode(compile_: bool, args: argparse.Namespace, peak: float) -> dict[str,
         "median_step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
         "mfu_vs_989": round(flops / step_s / H100_BF16_DENSE, 4),
         "mfu_vs_measured_peak": round(flops / step_s / peak, 4),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if DEVICE == "cuda" else None,
     }
     if args.overhead and not compile_:
         result["monitoring"] = monitoring_overhead(parts, args.overhead)
@@ -124,34 +136,61 @@ def run_mode(compile_: bool, args: argparse.Namespace, peak: float) -> dict[str,
     return result
 
 
-def monitoring_overhead(parts, blocks: int) -> dict[str, Any]:
-    """Step time with the SDK beat thread + param norm every step vs both off."""
-    from orchestrator.worker.sdk import Worker
+@contextlib.contextmanager
+def agent_sink():
+    """A stand-in agent: a unix socket that reads and drops the worker's beats."""
+    import socket
+    import tempfile
+    import threading
 
-    sock_env = {"RANK": "0"}  # unmanaged: the beat thread has no agent; run it anyway
-    worker = Worker(env=sock_env, send_records=True)
-    worker._socket_path = None
+    path = os.path.join(tempfile.mkdtemp(prefix="sink-"), "agent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+
+    def drain() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                while conn.recv(1 << 16):
+                    pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        yield path
+    finally:
+        server.close()
+
+
+def monitoring_overhead(parts, blocks: int) -> dict[str, Any]:
+    """Step time with the SDK (beat thread sending to an agent socket, a record per step)
+    and the param norm every step, against both off; interleaved blocks of 5 steps."""
+    from orchestrator.worker.sdk import Worker
+    from trainer.loop import train_step
+
     off, on = [], []
-    for _ in range(blocks):
-        parts.worker = _NoWorker()
-        parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 10_000})
-        off += time_steps(parts, 5)
-        parts.worker = worker
-        parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 1})
-        t = []
-        from trainer.loop import train_step
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            rec = train_step(parts)
-            worker.step_done(parts.progress.step, **rec)
-            torch.cuda.synchronize()
-            t.append(time.perf_counter() - t0)
-        on += t
+    with agent_sink() as sock:
+        worker = Worker(env={"RANK": "0", "ORCH_AGENT_SOCKET": sock,
+                             "ORCH_HEARTBEAT_INTERVAL": "0.5"}).start()
+        for _ in range(blocks):
+            parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 10_000})
+            off += time_steps(parts, 5)
+            parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 1})
+            for _ in range(5):
+                _sync()
+                t0 = time.perf_counter()
+                rec = train_step(parts)
+                worker.step_done(parts.progress.step, **rec)
+                _sync()
+                on.append(time.perf_counter() - t0)
+        worker.close()
     a, b = statistics.median(off), statistics.median(on)
     return {"step_s_off": round(a, 5), "step_s_on": round(b, 5),
             "overhead_pct": round(100 * (b - a) / a, 3), "steps_each": len(off),
-            "param_norm_every": 1}
+            "param_norm_every": 1, "heartbeat_interval_s": 0.5}
 
 
 def main() -> int:
@@ -167,7 +206,11 @@ def main() -> int:
     ap.add_argument("--overhead", type=int, default=4, help="blocks of 5+5 steps; 0 skips")
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--out", default="gpu-train.json")
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     os.environ.setdefault("RANK", "0")
@@ -176,8 +219,9 @@ def main() -> int:
 
     prepare_dataset("stdlib", args.data, "byte", max_bytes=64 * 2**20)
     peak = matmul_peak()
-    report = {**header(torch.cuda.get_device_name()), "matmul_peak_tflops": round(peak / 1e12, 1),
-              "reference_tflops": H100_BF16_DENSE / 1e12, "model": "1b (1.14B)", "runs": []}
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else None
+    report = {**header(device), "matmul_peak_tflops": round(peak / 1e12, 1),
+              "reference_tflops": H100_BF16_DENSE / 1e12, "model": args.preset, "runs": []}
     for mode in args.modes.split(","):
         report["runs"].append(run_mode(mode == "compiled", args, peak))
         print(report["runs"][-1], flush=True)
