@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 _ERRORS = {500: ("InternalError", "We encountered an internal error. Please try again."),
            503: ("SlowDown", "Please reduce your request rate.")}
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer",
-        "upgrade", "content-length"}
+        "upgrade", "content-length", "expect"}  # the proxy already answered 100-continue
 
 
 @dataclass
@@ -106,17 +106,20 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                # A HEAD answer has no body but the object's Content-Length: pass it on.
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
                 self._reply(resp.status, {k: v for k, v in resp.getheaders()
-                                          if k.lower() not in _HOP}, data)
+                                          if k.lower() not in _HOP}, data, length)
                 conn.close()
 
-            def _reply(self, status: int, headers: dict[str, str], data: bytes) -> None:
+            def _reply(self, status: int, headers: dict[str, str], data: bytes,
+                       length: str | None = None) -> None:
                 with proxy.lock:
                     proxy.log.append((self.command, self.path, status))
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
@@ -142,12 +145,21 @@ class S3Endpoint:
 @contextmanager
 def s3_endpoint(bucket: str = "ckpt") -> Iterator[S3Endpoint]:
     """moto on 127.0.0.1 with a bucket, behind a FaultProxy; yields the endpoint."""
+    import s3fs
     from moto.server import ThreadedMotoServer
 
+    # fsspec caches S3 filesystems by their options, not by the endpoint in the environment:
+    # one made for an earlier endpoint must not be reused for this one.
+    s3fs.S3FileSystem.clear_instance_cache()
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
     try:
         host, port = moto.get_host_and_port()
+        # moto keeps its buckets in this process's memory, across servers: start empty.
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(
+            f"http://{host}:{port}/moto-api/reset", method="POST"), timeout=30).read()
         proxy = FaultProxy(port)
         server, thread = proxy.serve()
         import boto3
@@ -165,6 +177,7 @@ def s3_endpoint(bucket: str = "ckpt") -> Iterator[S3Endpoint]:
             thread.join(5)
     finally:
         moto.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def aws_env(endpoint: str) -> dict[str, str]:

@@ -33,8 +33,9 @@ LOCAL, REMOTE = "local", "remote"
 # The uploader's own retry loop (tenacity) decides how long to keep trying; one s3fs attempt
 # and botocore's "standard" mode with 3 attempts (throttle-aware backoff) keep the inner
 # layers from multiplying it: s3fs's defaults turn one failing PUT into 25 requests and 40 s.
-_S3_OPTIONS = {"retries": 1, "config_kwargs": {"retries": {"max_attempts": 3, "mode": "standard"},
-                                               "connect_timeout": 10, "read_timeout": 120}}
+_S3_OPTIONS = {"config_kwargs": {"retries": {"max_attempts": 3, "mode": "standard"},
+                                 "connect_timeout": 10, "read_timeout": 120}}
+_S3FS_RETRIES = 1  # s3fs's own loop (a class attribute, not a constructor option)
 
 
 def tier_of(url: str) -> str:
@@ -46,7 +47,9 @@ def open_filesystem(url: str) -> fsspec.AbstractFileSystem:
     """A filesystem for a tier: for S3, with the bounded inner retries described above."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
     if protocol in ("s3", "s3a"):
-        return fsspec.filesystem("s3", skip_instance_cache=True, **_S3_OPTIONS)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **_S3_OPTIONS)
+        fs.retries = _S3FS_RETRIES
+        return fs
     return fsspec.core.url_to_fs(url)[0]
 
 
