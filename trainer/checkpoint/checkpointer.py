@@ -25,6 +25,10 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+# DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
+SaveErrors = (Exception, CheckpointException)
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint
@@ -146,7 +150,7 @@ class Checkpointer:
             try:
                 future.set_result(dcp.save(state, storage_writer=writer,
                                            process_group=self.group))
-            except Exception as exc:  # noqa: BLE001 - handled like an async failure
+            except SaveErrors as exc:  # noqa: BLE001 - handled like an async failure
                 future.set_exception(exc)
         blocking = time.perf_counter() - t0
         pending = _Pending(step, url, tokens, t0, blocking, future)
@@ -170,7 +174,7 @@ class Checkpointer:
                 blocking_s=round(p.blocking_s, 4), state=self.meta.get("state_layout", {}),
                 **{k: v for k, v in self.meta.items() if k != "state_layout"})
             layout.write_manifest(p.url, manifest, primary.fs)
-        except Exception as exc:  # noqa: BLE001 - the save failed: report, keep the old ones
+        except SaveErrors as exc:  # noqa: BLE001 - the save failed: report, keep the old ones
             self._failed(p, exc)
             done.set_result(None)
             return
@@ -229,7 +233,7 @@ class Checkpointer:
         if p is not None:
             try:
                 p.future.result()
-            except Exception:  # noqa: BLE001 - reported by _finalize on rank 0
+            except SaveErrors:  # noqa: BLE001 - reported by _finalize on rank 0
                 pass
             if p.finalized is not None:
                 p.finalized.result()
