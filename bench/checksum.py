@@ -103,8 +103,8 @@ def main() -> None:
     results = {}
     pool = concurrent.futures.ThreadPoolExecutor(2)
     for name, fn in _algorithms().items():
-        one = _best(lambda: fn(views[0]), args.rounds)
-        two = _best(lambda: list(pool.map(fn, views)), args.rounds)
+        one = _best(lambda fn=fn: fn(views[0]), args.rounds)
+        two = _best(lambda fn=fn: list(pool.map(fn, views)), args.rounds)
         results[name] = {"gb_s_1_thread": round(size / one / 1e9, 3),
                          "gb_s_2_threads": round(2 * size / two / 1e9, 3)}
         print(f"{name:18s} {results[name]['gb_s_1_thread']:7.2f} GB/s  "

@@ -64,8 +64,10 @@ def build_checkpointer(settings: WorkerSettings, dctx: DistContext, worker: Work
                             backoff_s=cfg.upload_backoff_s,
                             backoff_max_s=cfg.upload_backoff_max_s, report=worker.event, log=log)
     data = settings.trainer.data
+    # The model's shape and the tokenizer make a checkpoint exportable on its own.
     meta = {"job": settings.job, "config_hash": settings.config_hash,
-            "state_layout": STATE_LAYOUT, "model": asdict(resolve_model_args(settings.trainer.model)),
+            "state_layout": STATE_LAYOUT,
+            "model": asdict(resolve_model_args(settings.trainer.model)),
             "tokenizer": data.tokenizer, "dataset": data.path}
     return Checkpointer(cfg, store, rank=dctx.rank, world_size=dctx.world_size,
                         group=dctx.ckpt_group, meta=meta, report=worker.event, log=log,

@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)  # long URLs and problems stay on one greppable line
+err = Console(stderr=True, soft_wrap=True)
 
 
 def use_endpoint(endpoint_url: str | None) -> None:

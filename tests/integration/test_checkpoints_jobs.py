@@ -131,9 +131,9 @@ def test_training_starts_from_an_exported_hf_directory(tmp_path: Path,
               str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
     assert "exported step 30" in out.stdout
-    tune = write_config(tmp_path / "b.yaml", dataset_dir,
-                        job={"name": "tune"}, trainer={"steps": 3, "schedule": {"warmup_steps": 0},
-                                                       "model": {"init_from_hf": str(tmp_path / "hf")}},
+    tune = write_config(tmp_path / "b.yaml", dataset_dir, job={"name": "tune"},
+                        trainer={"steps": 3, "schedule": {"warmup_steps": 0},
+                                 "model": {"init_from_hf": str(tmp_path / "hf")}},
                         checkpoint={"url": str(tmp_path / "ckpt")})
     result = up(tune, tmp_path / "run-b")
     assert result.returncode == 0, result.stdout[-4000:]

@@ -27,13 +27,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-# DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
-SaveErrors = (Exception, CheckpointException)
-
 from trainer.checkpoint import layout
 from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint
 from trainer.checkpoint.upload import Uploader
 from trainer.config import CheckpointConfig
+
+# DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
+SaveErrors = (Exception, CheckpointException)
 
 Report = Callable[..., None]  # report(event_name, **data): the worker SDK's event()
 

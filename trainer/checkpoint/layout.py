@@ -138,7 +138,7 @@ def build_manifest(step_url: str, expected: Iterable[str] = (), *,
         raise FileNotFoundError(
             f"{step_url}: {len(missing)} file(s) written by the save are not visible here "
             f"({', '.join(missing[:4])}): the checkpoint directory must be shared by all ranks")
-    pairs = [(e, r) for e, r in zip(entries, rels)
+    pairs = [(e, r) for e, r in zip(entries, rels, strict=True)
              if r != MANIFEST and not r.endswith(".tmp")]
 
     def describe(pair: tuple[str, str]) -> tuple[str, dict[str, Any]]:

@@ -116,7 +116,7 @@ class CheckpointStore:
         if same_checkpoint(*manifests) or None in manifests:
             return holders  # primary (local) first
         created = [float((m or {}).get("created") or 0) for m in manifests]
-        return [t for _, t in sorted(zip(created, holders), key=lambda p: -p[0])]
+        return [t for _, t in sorted(zip(created, holders, strict=True), key=lambda p: -p[0])]
 
     def select(self, max_step: int | None = None, checksums: bool = True,
                on_skip: Skip | None = None, log: Callable[[str], None] = print,

@@ -7,15 +7,14 @@ import zlib
 from pathlib import Path
 
 import pytest
-
 from _checkpoint_files import flip_byte, make_step
 
 from trainer.checkpoint import layout
 
 
 def test_manifest_lists_every_file_with_size_and_xxh3(tmp_path: Path) -> None:
-    url = make_step(tmp_path, 3, {"a.distcp": b"x" * 1000, "sub/b.distcp": b"yz", ".metadata": b"m"},
-                    tokens=7)
+    files = {"a.distcp": b"x" * 1000, "sub/b.distcp": b"yz", ".metadata": b"m"}
+    url = make_step(tmp_path, 3, files, tokens=7)
     m = layout.read_manifest(url)
     assert m["checksum"] == "xxh3_64" and m["step"] == 3 and m["tokens"] == 7
     assert set(m["files"]) == {"a.distcp", "sub/b.distcp", ".metadata"}
@@ -31,7 +30,8 @@ def test_manifest_lists_every_file_with_size_and_xxh3(tmp_path: Path) -> None:
     (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-5]),
      "__0_0.distcp: size"),
     (lambda d: (d / ".metadata").unlink(), ".metadata: missing"),
-    (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json: missing or unreadable"),
+    (lambda d: (d / "manifest.json").write_text("{not json"),
+     "manifest.json: missing or unreadable"),
 ])
 def test_damage_is_found_and_named(tmp_path: Path, damage, expected: str) -> None:
     url = make_step(tmp_path, 5)
@@ -48,7 +48,8 @@ def test_size_only_verification_misses_a_flip_that_checksums_catch(tmp_path: Pat
     assert not layout.verify(url).ok
 
 
-def test_legacy_crc32_manifest_verifies_and_unknown_checksum_is_unverifiable(tmp_path: Path) -> None:
+def test_legacy_crc32_manifest_verifies_and_unknown_checksum_is_unverifiable(
+        tmp_path: Path) -> None:
     url = make_step(tmp_path, 2, commit=False)
     files = {}
     for p in sorted(Path(url).iterdir()):
@@ -100,7 +101,8 @@ def test_remove_deletes_the_manifest_first(tmp_path: Path, monkeypatch) -> None:
     fs, path = layout.filesystem(url)
     order = []
     real_rm = fs.rm
-    monkeypatch.setattr(fs, "rm", lambda p, recursive=False: (order.append(p), real_rm(p, recursive=recursive)))
+    monkeypatch.setattr(fs, "rm", lambda p, recursive=False: (
+        order.append(p), real_rm(p, recursive=recursive)))
     layout.remove(url)
     assert order[0].endswith("manifest.json") and not Path(url).exists()
 
