@@ -119,4 +119,7 @@ def train(p: Parts) -> None:
                   f"step_time {rec['step_time'] * 1000:.0f} ms"
                   + (" (update skipped)" if rec.get("skipped") else "")
                   + ("" if math.isfinite(loss) else " NON-FINITE LOSS"))
-    p.checkpointer.wait()
+    # The last save and its upload: a phase of its own, so the hang timeout of a phase with
+    # no steps (checkpointing) applies, not the calibrated step interval.
+    with p.worker.phase("checkpointing"):
+        p.checkpointer.finish()

@@ -149,6 +149,7 @@ def test_spent_retries_leave_the_remote_copy_uncommitted(tmp_path: Path, s3: S3E
     s3.proxy.add(Rule(lambda m, p: m == "PUT" and "manifest.json" in p, status=503, count=None))
     t.step()
     t.ckpt.save(1, t.state, 1)
+    t.ckpt.finish()
     t.ckpt.close()
     failed = t.events.named("checkpoint_upload_failed", step=1)
     assert failed and "reduce your request rate" in failed[0]["error"]
@@ -165,6 +166,7 @@ def test_resume_from_s3_alone_restores_every_tensor_exactly(tmp_path: Path, s3: 
     for _ in range(3):
         a.step()
     a.ckpt.save(3, a.state, 300)
+    a.ckpt.finish()  # the end of training: the last save committed and uploaded
     a.ckpt.close()
     saved = a.params()
     saved_opt = {k: v.clone() for k, v in a.opt.state[next(iter(a.model.parameters()))].items()}

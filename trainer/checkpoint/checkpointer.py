@@ -254,14 +254,22 @@ class Checkpointer:
             print(f"checkpoint step {p.step}: write failed on this rank: "
                   f"{explain_failure(exc, p.url)}", flush=True)
 
+    def finish(self) -> None:
+        """End of training: commit the last save and wait (bounded) for its upload, so the
+        remote tier holds the final checkpoint when the job completes."""
+        self.wait()
+        if self.uploader is not None and \
+                not self.uploader.wait(timeout=self.cfg.final_upload_timeout_s):
+            self.log(f"uploads still running after {self.cfg.final_upload_timeout_s:.0f} s: "
+                     "the remote tier lags the local one")
+
     def close(self) -> None:
-        """Finish the in-flight save, then wait (bounded) for the uploads to finish."""
+        """Finish the in-flight save and stop the threads (after ``finish``, or on an error:
+        then uploads still queued are dropped, their local copies stay committed)."""
         self.wait(raise_on_failures=False)
         self._executor.shutdown(wait=True)
         if self.uploader is not None:
-            if not self.uploader.close(timeout=self.cfg.final_upload_timeout_s):
-                self.log(f"uploads still running after {self.cfg.final_upload_timeout_s:.0f} "
-                         "s at exit: the remote tier may lag the local one")
+            self.uploader.close(timeout=0)
 
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, state: dict[str, Any], max_step: int | None = None) -> dict[str, Any] | None:

@@ -162,6 +162,8 @@ class Uploader:
         return not not_done
 
     def close(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` for queued uploads, then stop; one still running is left
+        to die with the process (its remote copy stays uncommitted)."""
         finished = self.wait(timeout)
         self._executor.shutdown(wait=finished, cancel_futures=not finished)
         return finished
