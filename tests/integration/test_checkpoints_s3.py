@@ -214,6 +214,26 @@ def test_a_corrupt_remote_newest_is_skipped_for_the_previous_one(tmp_path: Path,
     b.ckpt.close()
 
 
+def test_single_s3_tier_saves_with_dcp_fsspec_and_restores(tmp_path: Path, s3: S3Endpoint,
+                                                            pg: None) -> None:
+    cfg = CheckpointConfig(url=f"s3://{s3.bucket}/direct", keep_last=1)
+    a = Trainee(cfg)
+    assert a.store.primary.name == REMOTE and a.ckpt.uploader is None
+    for step in (1, 2):
+        a.step()
+        a.ckpt.save(step, a.state, step)
+        a.ckpt.wait()
+    a.ckpt.close()
+    assert [e["tier"] for e in a.events.named("checkpoint_committed")] == [REMOTE, REMOTE]
+    assert a.events.named("checkpoint_pruned", tier=REMOTE)[0]["steps"] == [1]
+    saved = a.params()
+    b = Trainee(cfg, seed=3)
+    assert b.ckpt.restore(b.state)["step"] == 2
+    assert b.ckpt.restored.url == f"s3://{s3.bucket}/direct/job/step-00000002"
+    assert all(torch.equal(b.params()[k], v) for k, v in saved.items())
+    b.ckpt.close()
+
+
 _UPLOAD_ONE = textwrap.dedent("""
     import sys, time
     from trainer.checkpoint.store import Tier
