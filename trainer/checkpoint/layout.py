@@ -6,10 +6,11 @@ state live in the DCP state dict, every file's size and checksum, wall time. A c
 committed only when its manifest exists and verifies; a directory without one (a save or an
 upload killed midway) is never loaded.
 
-The checksum is XXH3-64 (``xxhash``): 15.5 GB/s on one core of the 2-core CI machine against
-3.6 for zlib's CRC32, 1.6 for SHA-256 and 0.8 for BLAKE2b, and its binding releases the GIL,
-so files verify in parallel (27 GB/s on two threads; bench/checksum.py, bench/results/). It
-guards against torn and bit-rotted files, not against an adversary. Manifests written with
+The checksum is XXH3-64 (``xxhash``): 16.8 GB/s on one core of the 2-core CI machine against
+3.4 for zlib's CRC32, 1.4 for SHA-256 and 0.8 for BLAKE2b; 5.6 GB/s against 2.5 for CRC32 end
+to end from the page cache; and its binding releases the GIL, so files verify in parallel
+(27 GB/s on two threads; bench/checksum.py, bench/results/). It guards against torn and
+bit-rotted files, not against an adversary. Manifests written with
 CRC32 (the first format) still verify.
 """
 
