@@ -97,6 +97,9 @@ def _written_files(metadata: Any) -> set[str]:
 
 
 class Checkpointer:
+    """One rank's side of checkpointing: ``save`` (async, committed by rank 0), ``poll`` and
+    ``wait``, ``restore`` (rank 0 chooses, every rank loads), ``finish`` and ``close``."""
+
     def __init__(self, cfg: CheckpointConfig, store: CheckpointStore, *, rank: int,
                  world_size: int, group: dist.ProcessGroup | None, meta: dict[str, Any],
                  report: Report, log: Callable[[str], None], device_type: str = "cpu",

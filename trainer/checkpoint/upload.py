@@ -33,6 +33,8 @@ class UploadError(RuntimeError):
 
 
 class Uploader:
+    """Rank 0's background copier from the local tier to the remote one (see the module)."""
+
     def __init__(self, local: Tier, remote: Tier, *, keep_last: int, keep_every: int | None,
                  attempts: int, backoff_s: float, backoff_max_s: float, report: Report,
                  log: Callable[[str], None]) -> None:
@@ -112,6 +114,8 @@ class Uploader:
             for rel in sorted(manifest["files"]):
                 local_file = posixpath.join(src_path, rel)
                 remote_file = posixpath.join(dst_path, rel)
+                if not layout.is_remote(dst):  # a shared filesystem as the durable tier
+                    self.remote.fs.makedirs(posixpath.dirname(remote_file), exist_ok=True)
                 retry(lambda: self.remote.fs.put_file(local_file, remote_file))  # noqa: B023
             sizes = retry(lambda: self._remote_sizes(dst_path, manifest))
             if sizes:
