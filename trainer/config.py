@@ -290,7 +290,9 @@ class CheckpointConfig(_Section):
     )
     upload_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between tries.")
     final_upload_timeout_s: float = Field(
-        3600.0, gt=0, description="At the end of the job, wait this long for uploads to finish."
+        600.0, gt=0, description="At the end of the job, wait this long for uploads to finish "
+                                 "(in the checkpointing phase: keep it below "
+                                 "timeouts.checkpointing)."
     )
     max_save_failures: int = Field(
         3, ge=1, description="Consecutive failed saves (disk full, ...) before the worker "
