@@ -14,6 +14,11 @@ from typing import Any
 from orchestrator.state import JobState
 
 
+def _tier_of(path: str | None) -> str:
+    """Events written before tiers existed name no tier: a URL is remote, a path local."""
+    return "remote" if path and "://" in path and not path.startswith("file://") else "local"
+
+
 @dataclass
 class NodeView:
     node_id: str
@@ -44,7 +49,7 @@ class JobView:
     failures: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    pruned_steps: set[int] = field(default_factory=set)
+    pruned: set[tuple[int, str]] = field(default_factory=set)  # (step, tier)
     nodes: dict[str, NodeView] = field(default_factory=dict)
     chaos_fired: set[str] = field(default_factory=set)
     launches: list[dict[str, Any]] = field(default_factory=list)
@@ -125,17 +130,22 @@ class JobView:
                                  "reason": f"{e.get('cause')}: {e.get('message')}"})
 
     def _on_checkpoint_committed(self, e: dict[str, Any]) -> None:
-        # A step pruned before can be committed again: a rollback discards the abandoned
-        # lineage's checkpoints and the new lineage saves the same steps.
-        self.pruned_steps.discard(e["step"])
-        self.checkpoints = [c for c in self.checkpoints if c["step"] != e["step"]]
-        self.checkpoints.append({"step": e["step"], "path": e.get("path"),
+        tier = e.get("tier") or _tier_of(e.get("path"))
+        self.checkpoints = [c for c in self.checkpoints
+                            if (c["step"], c["tier"]) != (e["step"], tier)]
+        self.checkpoints.append({"step": e["step"], "path": e.get("path"), "tier": tier,
                                  "tokens": e.get("tokens"), "ts": e.get("ts"),
                                  "generation": e.get("generation")})
-        self.checkpoints.sort(key=lambda c: c["step"])
+        self.checkpoints.sort(key=lambda c: (c["step"], c["tier"]))
+        self.pruned.discard((e["step"], tier))  # saved again after a rollback pruned it
+        if (e["step"], "*") in self.pruned:
+            self.pruned.discard((e["step"], "*"))
+            self.pruned.update((e["step"], t) for t in ("local", "remote") if t != tier)
 
     def _on_checkpoint_pruned(self, e: dict[str, Any]) -> None:
-        self.pruned_steps.update(e.get("steps", []))
+        # No tier named: pruned everywhere ("*"), e.g. a rollback discarding its lineage.
+        tiers = [e["tier"]] if e.get("tier") else ["*"]
+        self.pruned.update((s, t) for s in e.get("steps", []) for t in tiers)
 
     def _on_first_step(self, e: dict[str, Any]) -> None:
         self.first_steps[e["generation"]] = e["step"]
@@ -172,9 +182,28 @@ class JobView:
 
     # -- derived -----------------------------------------------------------------------------
     @property
+    def pruned_steps(self) -> set[int]:
+        """Steps pruned from some tier (a rollback prunes every tier of a discarded step)."""
+        return {step for step, _ in self.pruned}
+
+    @property
     def committed_checkpoints(self) -> list[dict[str, Any]]:
-        """Checkpoints committed and not pruned since, oldest first."""
-        return [c for c in self.checkpoints if c["step"] not in self.pruned_steps]
+        """Checkpoints committed and not pruned since, one entry per step (oldest first) with
+        the tiers holding it: ``tier`` is "local", "remote" or "local+remote", ``paths`` maps
+        each tier to its URL, and ``path`` is the copy a restart prefers (the local one)."""
+        by_step: dict[int, dict[str, Any]] = {}
+        for c in self.checkpoints:
+            if (c["step"], c["tier"]) in self.pruned or (c["step"], "*") in self.pruned:
+                continue
+            entry = by_step.setdefault(c["step"], {**c, "paths": {}})
+            entry["paths"][c["tier"]] = c["path"]
+            if c["ts"] is not None and (entry["ts"] is None or c["ts"] < entry["ts"]):
+                entry["ts"] = c["ts"]  # when the step was first committed anywhere
+        for entry in by_step.values():
+            tiers = sorted(entry["paths"])
+            entry["tier"] = "+".join(tiers)
+            entry["path"] = entry["paths"].get("local", entry["paths"][tiers[0]])
+        return [by_step[s] for s in sorted(by_step)]
 
     @property
     def newest_checkpoint_step(self) -> int | None:

@@ -97,7 +97,8 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
                                            "message")},
             "log_tail": failure.get("log_tail", [])[-20:]},
         "failed_reason": view.last_failure_reason,
-        "checkpoints": [{"step": c["step"], "path": c["path"], "ts": c["ts"]}
+        "checkpoints": [{"step": c["step"], "tier": c["tier"], "path": c["path"],
+                         "paths": c["paths"], "ts": c["ts"]}
                         for c in view.committed_checkpoints],
         "nodes": nodes,
         "supervisor_restarts": max(0, len(view.supervisor_starts) - 1),

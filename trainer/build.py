@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from orchestrator.worker import Worker, WorkerContext
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.layout import job_url
+from trainer.checkpoint.retry import retrying
+from trainer.checkpoint.store import open_store
+from trainer.checkpoint.upload import Uploader
 from trainer.distributed import DistContext
 from trainer.loop import Parts
 from trainer.settings import WorkerSettings
@@ -37,11 +41,46 @@ def build_model(settings: WorkerSettings, dctx: DistContext) -> Any:
     return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
 
 
+def apply_endpoint(settings: WorkerSettings) -> None:
+    """Point every S3 client of this process at ``checkpoint.endpoint_url`` (botocore reads
+    AWS_ENDPOINT_URL_S3), unless the environment already names one. Done before anything
+    opens S3: data shards, checkpoints and DCP's fsspec reader all go through botocore."""
+    if settings.checkpoint.endpoint_url:
+        os.environ.setdefault("AWS_ENDPOINT_URL_S3", settings.checkpoint.endpoint_url)
+
+
+def build_checkpointer(settings: WorkerSettings, dctx: DistContext, worker: Worker,
+                       log: Callable[[str], None]) -> Checkpointer:
+    """The store (one or two tiers), rank 0's uploader when tiering, and the checkpointer."""
+    from trainer.presets import resolve_model_args
+
+    cfg = settings.checkpoint
+    retry = retrying(cfg.upload_attempts, cfg.upload_backoff_s, cfg.upload_backoff_max_s)
+    store = open_store(cfg, settings.job, settings.checkpoint_root, retry)
+    uploader = None
+    if store.remote is not None and dctx.rank == 0:
+        uploader = Uploader(store.primary, store.remote,
+                            keep_last=cfg.keep_last_remote or cfg.keep_last,
+                            keep_every=cfg.keep_every, attempts=cfg.upload_attempts,
+                            backoff_s=cfg.upload_backoff_s,
+                            backoff_max_s=cfg.upload_backoff_max_s, report=worker.event, log=log)
+    data = settings.trainer.data
+    # The model's shape and the tokenizer make a checkpoint exportable on its own.
+    meta = {"job": settings.job, "config_hash": settings.config_hash,
+            "state_layout": STATE_LAYOUT,
+            "model": asdict(resolve_model_args(settings.trainer.model)),
+            "tokenizer": data.tokenizer, "dataset": data.path}
+    return Checkpointer(cfg, store, rank=dctx.rank, world_size=dctx.world_size,
+                        group=dctx.ckpt_group, meta=meta, report=worker.event, log=log,
+                        device_type=dctx.device.type, uploader=uploader)
+
+
 def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                 worker: Worker, log: Callable[[str], None]) -> Parts:
     from trainer.optim import build_optimizer, build_scheduler
 
     cfg = settings.trainer
+    apply_endpoint(settings)
     loader = build_loader(settings, dctx, ctx)
     vocab = loader.shards.tokenizer["vocab_size"]
     from trainer.presets import resolve_model_args
@@ -60,12 +99,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
 
         guard = SkipStepGuard(settings.stability)
         state["stability"] = GuardState(guard)
-    checkpointer = Checkpointer(
-        settings.checkpoint, job_url(settings.checkpoint_root, settings.job), rank=dctx.rank,
-        world_size=dctx.world_size, group=dctx.ckpt_group,
-        meta={"job": settings.job, "config_hash": settings.config_hash,
-              "state_layout": STATE_LAYOUT},
-        report=worker.event, log=log, device_type=dctx.device.type)
+    checkpointer = build_checkpointer(settings, dctx, worker, log)
     with worker.phase("loading"):
         t0 = time.perf_counter()
         manifest = checkpointer.restore(state, max_step=ctx.resume_max_step)
@@ -76,9 +110,18 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                 f"this run's {settings.config_hash}")
         log(f"resumed from step {progress.step} ({manifest.get('tokens')} tokens)")
         if dctx.is_main:
+            restored = checkpointer.restored
             # load_s: the books' checkpoint_restore time for this generation.
             worker.event("resumed", step=progress.step, path=checkpointer.restored_url,
-                         load_s=round(load_s, 6))
+                         load_s=round(load_s, 6), tier=restored.tier if restored else None,
+                         fetched_from=restored.fetched_from if restored else None)
+    elif cfg.model.init_from_hf:
+        from trainer.hf import load_into
+
+        with worker.phase("loading"):
+            load_into(model, cfg.model.init_from_hf)
+        log(f"no checkpoint found: starting from the Hugging Face weights in "
+            f"{cfg.model.init_from_hf}")
     else:
         log("no checkpoint found: starting from scratch")
     chaos = ctx.chaos

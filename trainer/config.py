@@ -7,7 +7,10 @@ Field descriptions feed ``orchestrator validate`` and ``--help``.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,8 +48,37 @@ class ModelConfig(_Section):
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
     init_std: float | None = Field(None, gt=0, description="Std of the normal weight init.")
     init_from_hf: str | None = Field(
-        None, description="Local Hugging Face Llama directory to start from (fine-tuning)."
+        None,
+        description=(
+            "Local Hugging Face Llama directory (config.json + safetensors) to start from when "
+            "the job has no checkpoint yet (fine-tuning). The model's shape is taken from its "
+            "config.json; a shape field set here must agree with it."
+        ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_from_hf(cls, data: Any) -> Any:
+        """Fill the shape from the HF directory's config.json (read where the config is
+        validated: the directory must be on shared storage or on every machine)."""
+        if not isinstance(data, dict) or not data.get("init_from_hf"):
+            return data
+        from trainer.hf import CONFIG, args_from_hf_config
+
+        path = Path(str(data["init_from_hf"])).expanduser() / CONFIG
+        try:
+            hf_args = args_from_hf_config(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise FieldError("init_from_hf", f"cannot use {path}: {exc}") from None
+        out = dict(data)
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                     "rope_theta", "norm_eps", "max_seq_len"):
+            theirs = getattr(hf_args, name)
+            if out.get(name) is None:
+                out[name] = theirs
+            elif name != "max_seq_len" and out[name] != theirs:
+                raise FieldError(name, f"{out[name]} differs from {theirs} in {path}")
+        return out
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
@@ -208,20 +240,90 @@ class TrainerConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Where and how often checkpoints are written (layout in DESIGN: step-<8 digits>/)."""
+    """Where and how often checkpoints are written, how many are kept, and the S3 tier.
+
+    One tier: ``url`` (a path, a shared filesystem or ``s3://``). Two tiers: ``local_url``
+    (NVMe or FSx, shared by the ranks) takes every save and commits it first; a background
+    thread then uploads it to ``url`` (``s3://``), manifest last. A restart loads the newest
+    checkpoint committed in either tier that verifies. S3 credentials come from the standard
+    AWS chain (environment, profile, instance role), never from this file.
+    """
 
     url: str | None = Field(
         None,
         description=(
-            "Checkpoint root: a path or fsspec URL (s3://bucket/prefix). Default: "
-            "<run dir>/checkpoints. Checkpoints go to <url>/<job name>/step-XXXXXXXX/."
+            "Checkpoint root: a path or fsspec URL (s3://bucket/prefix); with local_url, the "
+            "remote tier. Default: <run dir>/checkpoints. Checkpoints go to "
+            "<url>/<job name>/step-XXXXXXXX/."
+        ),
+    )
+    local_url: str | None = Field(
+        None,
+        description=(
+            "Local tier (a path every rank sees: local NVMe on one node, FSx, NFS). Saves "
+            "commit here first and upload to url in the background. Null: one tier."
         ),
     )
     interval_steps: int = Field(50, gt=0, description="Save every N steps (and the last step).")
-    keep_last: int = Field(3, gt=0, description="Committed checkpoints kept (older pruned).")
+    keep_last: int = Field(
+        3, gt=0, description="Committed checkpoints kept in the tier saves land in (local_url "
+                             "when set, else url); older ones are pruned."
+    )
+    keep_last_remote: int | None = Field(
+        None, gt=0, description="Committed checkpoints kept in the remote tier (needs "
+                                "local_url; default: keep_last)."
+    )
+    keep_every: int | None = Field(
+        None, gt=0, description="Also keep every checkpoint whose step is a multiple of N, "
+                                "forever (in url: the remote tier when tiering)."
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for S3-compatible stores (MinIO, ...); AWS needs none. "
+                          "Ranks get it as AWS_ENDPOINT_URL_S3, so it applies to all their S3 "
+                          "access (checkpoints and data)."
+    )
+    upload_attempts: int = Field(
+        8, ge=1, description="Tries per S3 request of an upload (throttling, 5xx, timeouts)."
+    )
+    upload_backoff_s: float = Field(
+        1.0, gt=0, description="First wait between upload tries (doubles, with jitter)."
+    )
+    upload_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between tries.")
+    final_upload_timeout_s: float = Field(
+        600.0, gt=0, description="At the end of the job, wait this long for uploads to finish "
+                                 "(in the checkpointing phase: keep it below "
+                                 "timeouts.checkpointing)."
+    )
+    max_save_failures: int = Field(
+        3, ge=1, description="Consecutive failed saves (disk full, ...) before the worker "
+                             "exits with an error and the restart policy takes over."
+    )
     async_save: bool = Field(
         True, description="DCP async_save: the step waits only for staging."
     )
     verify_on_load: bool = Field(
         True, description="Verify the manifest's checksums before loading."
     )
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> CheckpointConfig:
+        for name in ("url", "local_url", "endpoint_url"):
+            value = getattr(self, name)
+            if value and re.match(r"^[a-z0-9+.-]+://[^/]*@", value):
+                raise FieldError(name, "credentials never go in the config: use the AWS "
+                                       "environment, profile or instance role")
+        if self.local_url is not None:
+            if "://" in self.local_url and not self.local_url.startswith("file://"):
+                raise FieldError("local_url", f"{self.local_url!r} is not a local path")
+            if self.url is None:
+                raise FieldError("url", "local_url needs url, the remote tier to upload to")
+            if self.url.rstrip("/") == self.local_url.rstrip("/"):
+                raise FieldError("local_url", "the local and remote tiers are the same place")
+        elif "keep_last_remote" in self.model_fields_set and self.keep_last_remote is not None:
+            raise FieldError("keep_last_remote", "only used with local_url (two tiers)")
+        if self.endpoint_url is not None:
+            if not re.match(r"^https?://[^/\s]+", self.endpoint_url):
+                raise FieldError("endpoint_url", "must be an http:// or https:// URL")
+        if self.upload_backoff_max_s < self.upload_backoff_s:
+            raise FieldError("upload_backoff_max_s", "is below upload_backoff_s")
+        return self

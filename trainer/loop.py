@@ -132,7 +132,10 @@ def train(p: Parts) -> None:
                   f"step_time {rec['step_time'] * 1000:.0f} ms"
                   + (" (update skipped)" if rec.get("skipped") else "")
                   + ("" if math.isfinite(loss) else " NON-FINITE LOSS"))
-    p.checkpointer.wait()
+    # The last save and its upload: a phase of its own, so the hang timeout of a phase with
+    # no steps (checkpointing) applies, not the calibrated step interval.
+    with p.worker.phase("checkpointing"):
+        p.checkpointer.finish()
     # Every rank reports its parameters' checksum: replicas (DDP) that disagree have drifted.
     digest = params_digest(p.model)
     p.log(f"final parameters: crc32 {digest['crc32']} over {digest['numel']} local values")

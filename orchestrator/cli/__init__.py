@@ -19,6 +19,9 @@ data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 stability_app = typer.Typer(help="Training-stability detectors.", no_args_is_help=True)
 app.add_typer(stability_app, name="stability")
+ckpt_app = typer.Typer(help="List, verify and prune checkpoints (paths or s3:// URLs).",
+                       no_args_is_help=True)
+app.add_typer(ckpt_app, name="checkpoints")
 
 ConfigArg = Annotated[Path | None, typer.Argument(
     help="Config YAML (default: the embedded configs/local.yaml).", show_default=False)]
@@ -124,6 +127,71 @@ def stability_replay(
     from orchestrator.cli.replay import run_replay
 
     raise typer.Exit(run_replay(records, config, overrides or []))
+
+
+EndpointOpt = Annotated[str | None, typer.Option(
+    help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3, else AWS).")]
+CkptUrlArg = Annotated[str, typer.Argument(
+    help="A job's checkpoint root (<root>/<job>) or one step-XXXXXXXX directory.")]
+
+
+@ckpt_app.command("list")
+def checkpoints_list(
+    urls: Annotated[list[str], typer.Argument(
+        help="Job checkpoint roots (<root>/<job>), e.g. the local tier and the S3 tier.")],
+    checksums: Annotated[bool, typer.Option(
+        help="Read every file and check its checksum (default: sizes only).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="JSON rows.")] = False,
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """Table of checkpoints: step, tier, size, age, verified."""
+    from orchestrator.cli.checkpoints import list_checkpoints, use_endpoint
+
+    use_endpoint(endpoint_url)
+    raise typer.Exit(list_checkpoints(urls, checksums, json_out))
+
+
+@ckpt_app.command("verify")
+def checkpoints_verify(url: CkptUrlArg, endpoint_url: EndpointOpt = None) -> None:
+    """Verify a checkpoint (or a job's newest one); exit 1 naming each bad file and why."""
+    from orchestrator.cli.checkpoints import use_endpoint, verify_checkpoint
+
+    use_endpoint(endpoint_url)
+    raise typer.Exit(verify_checkpoint(url))
+
+
+@ckpt_app.command("prune")
+def checkpoints_prune(
+    url: CkptUrlArg,
+    keep_last: Annotated[int, typer.Option(min=1, help="Newest committed ones to keep.")],
+    keep_every: Annotated[int | None, typer.Option(
+        min=1, help="Also keep every step that is a multiple of N.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Only say what would go.")] = False,
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """Delete committed checkpoints beyond the retention rule, and stale debris."""
+    from orchestrator.cli.checkpoints import prune_checkpoints, use_endpoint
+
+    use_endpoint(endpoint_url)
+    raise typer.Exit(prune_checkpoints(url, keep_last, keep_every, dry_run))
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[str, typer.Option(
+        help="Checkpoint: a step directory, or a job root (its newest verified one).")],
+    to_hf: Annotated[Path, typer.Option(help="Directory for the Hugging Face Llama files.")],
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    tokenizer: Annotated[str | None, typer.Option(
+        help="tokenizer.json to include (default: the one the checkpoint was trained "
+             "with, when it is a file).")] = None,
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """Write a checkpoint's weights as a Llama-format directory (config.json, safetensors)."""
+    from orchestrator.cli.checkpoints import export_hf, use_endpoint
+
+    use_endpoint(endpoint_url)
+    raise typer.Exit(export_hf(checkpoint, to_hf, dtype, tokenizer))
 
 
 def main() -> None:

@@ -110,10 +110,12 @@ def show_status(run_dir: Path | None, json_out: bool) -> int:
     if status["checkpoints"]:
         t = Table(title="checkpoints", title_justify="left")
         t.add_column("step", justify="right")
+        t.add_column("tier")
         t.add_column("age")
         t.add_column("path")
         for c in status["checkpoints"]:
-            t.add_row(str(c["step"]), _fmt_s(time.time() - c["ts"]), str(c["path"]))
+            t.add_row(str(c["step"]), c["tier"], _fmt_s(time.time() - (c["ts"] or time.time())),
+                      "\n".join(str(p) for p in c["paths"].values()))
         out.print(t)
     out.print(books_table(status["books"]))
     t = Table(title="nodes", title_justify="left")

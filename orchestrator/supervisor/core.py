@@ -387,7 +387,11 @@ class Supervisor:
     def _generation_env(self, generation: int) -> dict[str, str]:
         """What a generation's ranks need beyond torch.distributed's variables."""
         chaos = self.cfg.chaos
+        # The S3 endpoint (MinIO, ...) as botocore reads it, so every S3 client of a rank
+        # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
+        endpoint = self.cfg.checkpoint.endpoint_url
         return {
+            **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
             **self.cfg.job.env,
             "ORCH_JOB": self.cfg.job.name,
             "ORCH_GENERATION": str(generation),

@@ -311,6 +311,8 @@ class Intake:
 
 
 _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
+                        "checkpoint_fetched", "checkpoint_upload_retry",
+                        "checkpoint_upload_failed", "checkpoint_upload_skipped",
                         "stability_skip", "startup"}
 
 

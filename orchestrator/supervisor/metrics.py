@@ -160,7 +160,8 @@ class SupervisorMetrics:
             self.failures.labels(job, e["cause"]).inc()
         elif kind == "generation_launched" and e.get("after_cause") in FAILURE_CAUSES:
             self.restarts.labels(job, e["after_cause"]).inc()
-        elif kind == "checkpoint_committed":
+        elif kind == "checkpoint_committed" and e.get("via") != "upload":
+            # Uploads lag the saves: a remote copy committed later must not move these back.
             self.last_ckpt_step.labels(job).set(e["step"])
             self.last_ckpt_ts.labels(job).set(e.get("ts") or 0)
             if e.get("blocking_s") is not None:

@@ -239,18 +239,22 @@ class StabilityHook:
             return None  # nothing pending, or a late plan from a generation already handled
         from_step = failure.get("last_step")
         from trainer.checkpoint import layout
+        from trainer.checkpoint.store import open_store
 
-        job_root = layout.job_url(self.sup.checkpoint_root, self.sup.cfg.job.name)
-        infos = layout.list_checkpoints(job_root)
-        discard = steps_to_discard([c.step for c in infos], plan.restore_max_step)
-        for info in infos:
-            if info.step in discard:
-                fs, path = layout.filesystem(info.url)
-                fs.rm(path, recursive=True)
+        # Every tier: a discarded step must not come back from S3 on the next restore.
+        store = open_store(self.sup.cfg.checkpoint, self.sup.cfg.job.name,
+                           self.sup.checkpoint_root)
+        listed = {tier.name: layout.list_checkpoints(tier.root, tier.fs) for tier in store.tiers}
+        steps = sorted({c.step for infos in listed.values() for c in infos})
+        discard = steps_to_discard(steps, plan.restore_max_step)
+        for tier in store.tiers:
+            for info in listed[tier.name]:
+                if info.step in discard:
+                    tier.fs.rm(layout.filesystem(info.url)[1], recursive=True)
         if discard:
             self.sup.record("checkpoint_pruned", steps=discard, reason="rollback")
-        target = restore_step([c.step for c in infos if c.committed and c.step not in discard],
-                              plan.restore_max_step)
+        committed = {c.step for infos in listed.values() for c in infos if c.committed}
+        target = restore_step(sorted(committed - set(discard)), plan.restore_max_step)
         event = self.sup.record(
             "rollback", action=plan.action, generation=plan.generation, trigger=plan.trigger,
             detected_step=plan.detected_step, onset_step=plan.onset_step,

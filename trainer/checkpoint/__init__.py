@@ -1,2 +1,4 @@
-"""Checkpoints: layout and manifests (``layout``, no torch) and DCP save/restore
+"""Checkpoints: layout, manifests and checksums (``layout``), tiers and choosing what to
+restore (``store``), the background S3 uploader (``upload``) with its retry policy
+(``retry``) — all torch-free, so the CLI uses them too — and DCP save/restore
 (``checkpointer``)."""

@@ -1,15 +1,23 @@
 """Saving and restoring with torch.distributed.checkpoint (DCP), committed by a manifest.
 
 A save stages the state (a copy, so training can go on mutating it) and writes it in DCP's
-background thread over a dedicated gloo group; training blocks only for the staging. When
-rank 0's future completes, every rank's files and DCP's ``.metadata`` are written (DCP
-gathers all ranks' write results before finishing), so rank 0 then checksums the files and
-writes ``manifest.json`` last: the commit. At most one save is in flight.
+background thread over a dedicated gloo group into the primary tier (the local tier when
+tiering, else the only one); training blocks only for the staging. When rank 0's future
+completes, every rank's files and DCP's ``.metadata`` are written (DCP gathers all ranks'
+write results before finishing), so rank 0 then checksums the files and writes
+``manifest.json`` last: the commit. With a remote tier, the commit then queues the step for
+the background uploader (``upload``). At most one save is in flight.
+
+A failed save (disk full, ...) is reported, its partial directory removed, and training goes
+on from the previous checkpoint; ``max_save_failures`` failures in a row end the worker with
+``CheckpointSaveError`` so the supervisor's restart policy decides.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,11 +25,21 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint import layout
+from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint
+from trainer.checkpoint.upload import Uploader
 from trainer.config import CheckpointConfig
 
+# DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
+SaveErrors = (Exception, CheckpointException)
+
 Report = Callable[..., None]  # report(event_name, **data): the worker SDK's event()
+
+
+class CheckpointSaveError(RuntimeError):
+    """Too many saves in a row failed: the worker stops so the restart policy applies."""
 
 
 @dataclass
@@ -35,16 +53,60 @@ class _Pending:
     finalized: concurrent.futures.Future | None = None
 
 
-def _is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The exception, DCP's per-rank failures, and what each was raised while handling."""
+    out: list[BaseException] = []
+    todo: list[Any] = [exc]
+    while todo and len(out) < 32:
+        e = todo.pop(0)
+        e = e[0] if isinstance(e, tuple) else e
+        if not isinstance(e, BaseException) or e in out:
+            continue
+        out.append(e)
+        todo.extend(getattr(e, "failures", {}).values())
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return out
+
+
+def explain_failure(exc: BaseException, url: str) -> str:
+    """One line saying why a save failed; a full disk is named as such.
+
+    torch.save into a full disk surfaces as ``RuntimeError: unexpected pos``, with the
+    ENOSPC only in its context, so the whole chain is searched.
+    """
+    causes = _causes(exc)
+    for e in causes:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"disk full (ENOSPC) writing {url}: {e}"
+    if not layout.is_remote(url):
+        try:
+            free = shutil.disk_usage(layout.filesystem(url)[1].rsplit("/", 1)[0]).free
+            if free < 2**20:
+                return f"disk full ({free} bytes free) writing {url}: {causes[-1]}"
+        except OSError:
+            pass
+    leaf = next((e for e in reversed(causes) if not getattr(e, "failures", None)), exc)
+    return f"{type(leaf).__name__}: {leaf}"[:1000]
+
+
+def _written_files(metadata: Any) -> set[str]:
+    """Files DCP's metadata says the save wrote (every rank's), plus ``.metadata`` itself."""
+    storage = getattr(metadata, "storage_data", None) or {}
+    names = {getattr(v, "relative_path", None) for v in storage.values()}
+    return {n for n in names if n} | ({".metadata"} if storage else set())
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, job_root: str, *, rank: int, world_size: int,
-                 group: dist.ProcessGroup | None, meta: dict[str, Any], report: Report,
-                 log: Callable[[str], None], device_type: str = "cpu") -> None:
+    """One rank's side of checkpointing: ``save`` (async, committed by rank 0), ``poll`` and
+    ``wait``, ``restore`` (rank 0 chooses, every rank loads), ``finish`` and ``close``."""
+
+    def __init__(self, cfg: CheckpointConfig, store: CheckpointStore, *, rank: int,
+                 world_size: int, group: dist.ProcessGroup | None, meta: dict[str, Any],
+                 report: Report, log: Callable[[str], None], device_type: str = "cpu",
+                 uploader: Uploader | None = None) -> None:
         self.cfg = cfg
-        self.job_root = job_root
+        self.store = store
+        self.uploader = uploader if rank == 0 else None
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -54,13 +116,17 @@ class Checkpointer:
         self.device_type = device_type
         self._pending: _Pending | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "ckpt-commit")
-        self._writer_cache: dict[str, Any] = {}
+        self.failures_in_a_row = 0
         self.last_committed: int | None = None
-        self.restored_url: str | None = None
+        self.restored: Choice | None = None
+
+    @property
+    def restored_url(self) -> str | None:
+        return self.restored.url if self.restored is not None else None
 
     # -- saving ----------------------------------------------------------------------------
     def _writer(self, url: str) -> Any:
-        if _is_remote(url):
+        if layout.is_remote(url):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             return FsspecWriter(url, sync_files=False)
@@ -73,9 +139,10 @@ class Checkpointer:
         """Start saving ``state`` as step ``step``; returns the seconds training was blocked."""
         t0 = time.perf_counter()
         self.wait()  # one save in flight: the previous one must be committed first
-        url = layout.step_url(self.job_root, step)
+        url = self.store.primary.step_url(step)
         if self.rank == 0:
-            self._clear_debris(url)
+            # A save killed midway may have left files for this step: never mix them in.
+            layout.remove(url, self.store.primary.fs)
         if self.group is not None:
             dist.barrier(group=self.group)
         writer = self._writer(url)
@@ -83,7 +150,11 @@ class Checkpointer:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
         else:
             future = concurrent.futures.Future()
-            future.set_result(dcp.save(state, storage_writer=writer, process_group=self.group))
+            try:
+                future.set_result(dcp.save(state, storage_writer=writer,
+                                           process_group=self.group))
+            except SaveErrors as exc:  # noqa: BLE001 - handled like an async failure
+                future.set_exception(exc)
         blocking = time.perf_counter() - t0
         pending = _Pending(step, url, tokens, t0, blocking, future)
         if self.rank == 0:
@@ -94,100 +165,157 @@ class Checkpointer:
         self._pending = pending
         return blocking
 
-    def _clear_debris(self, url: str) -> None:
-        """A save killed midway may have left files for this step: never mix them in."""
-        fs, path = layout.filesystem(url)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-
     def _finalize(self, p: _Pending, done: concurrent.futures.Future) -> None:
-        """Rank 0, off the training thread: checksum, write the manifest, prune."""
+        """Rank 0, off the training thread: checksum, write the manifest, prune, upload."""
+        primary = self.store.primary
         try:
-            p.future.result()
+            metadata = p.future.result()
             save_s = time.perf_counter() - p.started
             manifest = layout.build_manifest(
-                p.url, step=p.step, tokens=p.tokens, world_size=self.world_size,
-                wall_time_s=round(save_s, 4), blocking_s=round(p.blocking_s, 4),
-                state=self.meta.get("state_layout", {}),
+                p.url, _written_files(metadata), fs=primary.fs, step=p.step, tokens=p.tokens,
+                world_size=self.world_size, wall_time_s=round(save_s, 4),
+                blocking_s=round(p.blocking_s, 4), state=self.meta.get("state_layout", {}),
                 **{k: v for k, v in self.meta.items() if k != "state_layout"})
-            layout.write_manifest(p.url, manifest)
-            self.last_committed = p.step
-            size = sum(f["size"] for f in manifest["files"].values())
-            self.report("checkpoint_committed", step=p.step, path=p.url, tokens=p.tokens,
-                        blocking_s=round(p.blocking_s, 4), save_s=round(save_s, 4),
-                        bytes=size)
-            self.log(f"checkpoint step {p.step} committed: {size / 2**20:.1f} MiB in "
-                     f"{save_s:.2f} s (training blocked {p.blocking_s * 1000:.0f} ms)")
-            removed = layout.prune(self.job_root, self.cfg.keep_last, protect={p.step})
-            if removed:
-                self.report("checkpoint_pruned", steps=removed)
-            done.set_result(p.step)
-        except Exception as exc:  # the save failed: report, keep training, keep the old ones
-            self.report("checkpoint_failed", step=p.step, error=f"{type(exc).__name__}: {exc}")
-            self.log(f"checkpoint step {p.step} FAILED: {type(exc).__name__}: {exc}")
+            layout.write_manifest(p.url, manifest, primary.fs)
+        except SaveErrors as exc:  # noqa: BLE001 - the save failed: report, keep the old ones
+            self._failed(p, exc)
             done.set_result(None)
+            return
+        self.failures_in_a_row = 0
+        self.last_committed = p.step
+        size = sum(f["size"] for f in manifest["files"].values())
+        self.report("checkpoint_committed", tier=primary.name, step=p.step, path=p.url,
+                    tokens=p.tokens, blocking_s=round(p.blocking_s, 4),
+                    save_s=round(save_s, 4), bytes=size)
+        self.log(f"checkpoint step {p.step} committed ({primary.name}): "
+                 f"{size / 2**20:.1f} MiB in {save_s:.2f} s (training blocked "
+                 f"{p.blocking_s * 1000:.0f} ms)")
+        if self.uploader is not None:
+            self.uploader.submit(p.step)
+        self._prune_primary(p.step)
+        done.set_result(p.step)
+
+    def _failed(self, p: _Pending, exc: BaseException) -> None:
+        self.failures_in_a_row += 1
+        reason = explain_failure(exc, p.url)
+        try:  # free what the failed save wrote: on a full disk the next one needs the room
+            layout.remove(p.url, self.store.primary.fs)
+        except Exception as cleanup:  # noqa: BLE001 - reported below with the failure
+            reason += f" (removing the partial directory failed too: {cleanup})"
+        previous = self.last_committed
+        self.report("checkpoint_failed", step=p.step, path=p.url, error=reason,
+                    failures_in_a_row=self.failures_in_a_row, previous_step=previous)
+        self.log(f"checkpoint step {p.step} FAILED: {reason}; the previous checkpoint "
+                 f"(step {previous}) stays the restore point "
+                 f"({self.failures_in_a_row}/{self.cfg.max_save_failures} failures in a row)")
+
+    def _prune_primary(self, step: int) -> None:
+        keep_every = None if self.store.tiered else self.cfg.keep_every
+        protect = {step} | (self.uploader.pending if self.uploader is not None else set())
+        try:
+            removed = layout.prune(self.store.primary.root, self.cfg.keep_last, keep_every,
+                                   protect=protect, fs=self.store.primary.fs)
+        except Exception as exc:  # noqa: BLE001 - pruning is retried after the next commit
+            self.log(f"pruning {self.store.primary.root} failed: {exc}")
+            return
+        if removed:
+            self.report("checkpoint_pruned", tier=self.store.primary.name, steps=removed)
 
     def poll(self) -> None:
-        """Forget a save once it has finished (cheap; call every step)."""
+        """Forget a save once it has finished (cheap; call every step). Raises
+        ``CheckpointSaveError`` once ``max_save_failures`` saves in a row have failed."""
         p = self._pending
         if p is not None and p.future.done() and (p.finalized is None or p.finalized.done()):
-            self._raise_if_failed(p)
+            self._note_rank_failure(p)
             self._pending = None
+        self._raise_if_failing()
 
-    def wait(self) -> None:
+    def wait(self, raise_on_failures: bool = True) -> None:
         """Block until the in-flight save (if any) is written and committed."""
         p = self._pending
-        if p is None:
-            return
-        try:
-            p.future.result()
-        except Exception:
-            pass  # reported by _finalize on rank 0; other ranks just go on
-        if p.finalized is not None:
-            p.finalized.result()
-        self._pending = None
+        if p is not None:
+            try:
+                p.future.result()
+            except SaveErrors:  # noqa: BLE001 - reported by _finalize on rank 0
+                pass
+            if p.finalized is not None:
+                p.finalized.result()
+            self._note_rank_failure(p)
+            self._pending = None
+        if raise_on_failures:
+            self._raise_if_failing()
 
-    @staticmethod
-    def _raise_if_failed(p: _Pending) -> None:
+    def _raise_if_failing(self) -> None:
+        if self.failures_in_a_row >= self.cfg.max_save_failures:
+            raise CheckpointSaveError(
+                f"{self.failures_in_a_row} checkpoint saves in a row failed (checkpoint."
+                f"max_save_failures); the newest committed one is step {self.last_committed}")
+
+    def _note_rank_failure(self, p: _Pending) -> None:
         exc = p.future.exception()
         if exc is not None and p.finalized is None:  # rank != 0: nothing else reports it
-            print(f"checkpoint step {p.step}: write failed on this rank: {exc}", flush=True)
+            print(f"checkpoint step {p.step}: write failed on this rank: "
+                  f"{explain_failure(exc, p.url)}", flush=True)
+
+    def finish(self) -> None:
+        """End of training: commit the last save and wait (bounded) for its upload, so the
+        remote tier holds the final checkpoint when the job completes."""
+        self.wait()
+        if self.uploader is not None and \
+                not self.uploader.wait(timeout=self.cfg.final_upload_timeout_s):
+            self.log(f"uploads still running after {self.cfg.final_upload_timeout_s:.0f} s: "
+                     "the remote tier lags the local one")
 
     def close(self) -> None:
-        self.wait()
+        """Finish the in-flight save and stop the threads (after ``finish``, or on an error:
+        then uploads still queued are dropped, their local copies stay committed)."""
+        self.wait(raise_on_failures=False)
         self._executor.shutdown(wait=True)
+        if self.uploader is not None:
+            self.uploader.close(timeout=0)
 
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, state: dict[str, Any], max_step: int | None = None) -> dict[str, Any] | None:
         """Load the newest committed, verified checkpoint (<= ``max_step``) into ``state``.
 
-        Rank 0 chooses and verifies, then tells the others, so every rank loads the same one.
-        Returns its manifest, or None when there is none (a fresh start).
+        Rank 0 chooses, verifies (fetching a remote copy into the local tier), then tells
+        the others, so every rank loads the same one. Returns its manifest, or None when
+        there is none (a fresh start).
         """
         choice: list[Any] = [None]
         if self.rank == 0:
-            def skipped(info: layout.CheckpointInfo, problems: list[str]) -> None:
-                self.log(f"checkpoint step {info.step} at {info.url} fails verification, "
-                         f"skipped: {'; '.join(problems)}")
-                self.report("checkpoint_skipped", step=info.step, path=info.url,
+            def skipped(tier: str, info: layout.CheckpointInfo, problems: list[str]) -> None:
+                self.log(f"checkpoint step {info.step} ({tier}) at {info.url} fails "
+                         f"verification, skipped: {'; '.join(problems)}")
+                self.report("checkpoint_skipped", step=info.step, path=info.url, tier=tier,
                             problems=problems)
 
-            found = layout.newest_verified(self.job_root, max_step=max_step,
-                                           checksums=self.cfg.verify_on_load, on_skip=skipped)
-            choice = [None if found is None else (found[0].url, found[1])]
+            found = self.store.select(max_step, checksums=self.cfg.verify_on_load,
+                                      on_skip=skipped, log=self.log)
+            if found is not None and found.fetched_from is not None:
+                self.report("checkpoint_fetched", step=found.step, source=found.fetched_from,
+                            path=found.url)
+            choice = [found]
         if self.group is not None:
             dist.broadcast_object_list(choice, src=0, group=self.group)
-        if choice[0] is None:
+        found = choice[0]
+        if found is None:
             return None
-        url, manifest = choice[0]
-        if _is_remote(url):
+        if layout.is_remote(found.url):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-            reader: Any = FsspecReader(url)
+            reader: Any = FsspecReader(found.url)
         else:
-            reader = dcp.FileSystemReader(layout.filesystem(url)[1])
+            reader = dcp.FileSystemReader(layout.filesystem(found.url)[1])
         dcp.load(state, storage_reader=reader, process_group=self.group)
-        self.last_committed = manifest["step"]
-        self.restored_url = url
-        return manifest
-
+        self.last_committed = found.step
+        self.restored = found
+        if self.uploader is not None and self.store.remote is not None:
+            try:
+                remote = layout.read_manifest(self.store.remote.step_url(found.step),
+                                              self.store.remote.fs)
+            except Exception:  # noqa: BLE001 - unreachable now: the upload retries later
+                remote = None
+            if not same_checkpoint(remote, found.manifest):
+                self.uploader.submit(found.step)  # a local-only checkpoint: repair the remote
+        return found.manifest

@@ -1,0 +1,163 @@
+"""Checksum throughput for checkpoint manifests: which algorithm to checksum files with.
+
+Hashes one buffer in the 8 MiB chunks ``layout`` reads files in, best of several rounds
+(the machine is shared, so the best round is the least disturbed one), on one thread and on
+two (an algorithm whose binding releases the GIL verifies several files at once), then end
+to end through ``trainer.checkpoint.layout`` on a file in the page cache. Writes one JSON
+file under bench/results/ with the device, the commit and the date.
+
+    PYTHONPATH=. python bench/checksum.py [--mib 256] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+CHUNK = 8 * 2**20
+
+
+def _algorithms() -> dict[str, Callable[[list[memoryview]], object]]:
+    def crc32(chunks):
+        crc = 0
+        for c in chunks:
+            crc = zlib.crc32(c, crc)
+        return crc
+
+    def hashlib_algo(name):
+        def run(chunks):
+            h = hashlib.new(name)
+            for c in chunks:
+                h.update(c)
+            return h.digest()
+        return run
+
+    algos = {"zlib.crc32": crc32, "sha256": hashlib_algo("sha256"),
+             "blake2b": hashlib_algo("blake2b")}
+    try:
+        import xxhash
+
+        def xx(factory):
+            def run(chunks):
+                h = factory()
+                for c in chunks:
+                    h.update(c)
+                return h.intdigest()
+            return run
+        algos["xxhash.xxh3_64"] = xx(xxhash.xxh3_64)
+        algos["xxhash.xxh3_128"] = xx(xxhash.xxh3_128)
+        algos["xxhash.xxh64"] = xx(xxhash.xxh64)
+    except ImportError:
+        pass
+    try:
+        import google_crc32c
+
+        def crc32c(chunks):
+            crc = 0
+            for c in chunks:
+                crc = google_crc32c.extend(crc, c)
+            return crc
+        algos["google_crc32c"] = crc32c
+    except ImportError:
+        pass
+    return algos
+
+
+def _best(fn: Callable[[], object], rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=256, help="Buffer size per thread.")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    size = args.mib * 2**20
+    data = [os.urandom(size), os.urandom(size)]
+    # bytes chunks (not memoryviews): google_crc32c accepts only read-only bytes.
+    views = [[d[i:i + CHUNK] for i in range(0, size, CHUNK)] for d in data]
+    results = {}
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    for name, fn in _algorithms().items():
+        one = _best(lambda fn=fn: fn(views[0]), args.rounds)
+        two = _best(lambda fn=fn: list(pool.map(fn, views)), args.rounds)
+        results[name] = {"gb_s_1_thread": round(size / one / 1e9, 3),
+                         "gb_s_2_threads": round(2 * size / two / 1e9, 3)}
+        print(f"{name:18s} {results[name]['gb_s_1_thread']:7.2f} GB/s  "
+              f"{results[name]['gb_s_2_threads']:7.2f} GB/s on 2 threads", flush=True)
+    pool.shutdown()
+    files = _through_layout(data[0], args.rounds)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doc = {"bench": "checksum", "date": now.isoformat(timespec="seconds"),
+           "commit": _git_commit(), "device": {"cpu": platform.processor() or _cpu_model(),
+                                               "cores": os.cpu_count(),
+                                               "python": platform.python_version()},
+           "buffer_mib": args.mib, "chunk_mib": CHUNK // 2**20, "rounds": args.rounds,
+           "results": results,
+           "file_end_to_end_gb_s": files,
+           "chosen": "xxh3_64"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"checksum-{now:%Y%m%d}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def _through_layout(data: bytes, rounds: int) -> dict[str, float]:
+    """GB/s of ``layout.file_digest`` on a file in the page cache: reading included, as a
+    manifest build or a verification sees it."""
+    import tempfile
+
+    import fsspec
+
+    from trainer.checkpoint import layout
+
+    fs = fsspec.filesystem("file")
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        out = {}
+        for name in layout.DIGESTS:
+            secs = _best(lambda name=name: layout.file_digest(fs, f.name, name), rounds)
+            out[name] = round(len(data) / secs / 1e9, 3)
+            print(f"file via layout {name:9s} {out[name]:7.2f} GB/s", flush=True)
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    main()

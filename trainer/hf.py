@@ -1,0 +1,276 @@
+"""Hugging Face Llama format: export a checkpoint, and start training from HF weights.
+
+Our decoder (``trainer.model``) already uses HF's conventions: rotate_half RoPE, the fused
+``wqkv`` rows are all query heads then all key heads then all value heads (head-major), and
+``w13`` is the gate then the up projection. The mapping is therefore a row split on export
+and a concatenation on import, with no permutation of q/k:
+
+=====================================  ======================================================
+ours                                   ``LlamaForCausalLM``
+=====================================  ======================================================
+tok_embeddings.weight                  model.embed_tokens.weight
+layers.i.attention_norm.weight         model.layers.i.input_layernorm.weight
+layers.i.attention.wqkv.weight         model.layers.i.self_attn.{q,k,v}_proj.weight (rows)
+layers.i.attention.wo.weight           model.layers.i.self_attn.o_proj.weight
+layers.i.ffn_norm.weight               model.layers.i.post_attention_layernorm.weight
+layers.i.feed_forward.w13.weight       model.layers.i.mlp.{gate,up}_proj.weight (rows)
+layers.i.feed_forward.w2.weight        model.layers.i.mlp.down_proj.weight
+norm.weight                            model.norm.weight
+output.weight                          lm_head.weight (embed_tokens when tied)
+=====================================  ======================================================
+
+Needs ``safetensors`` (the ``hf`` extra), not ``transformers``. torch is imported only
+inside the functions that move tensors, so the config schema can read an HF config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.presets import ModelArgs
+
+if TYPE_CHECKING:
+    import torch
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+DTYPES = ("float32", "bfloat16", "float16")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model")
+_SHARD_BYTES = 5 * 2**30  # the Hub's customary shard size
+
+
+def hf_config(args: ModelArgs, dtype: str = "float32", bos_id: int | None = None,
+              eos_id: int | None = None) -> dict[str, Any]:
+    """A ``LlamaConfig`` dict (config.json) for our shape."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "initializer_range": args.init_std,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
+        "use_cache": True,
+    }
+
+
+def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+    """Our shape from a Llama config.json; ValueError for what our decoder cannot express."""
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is not 'llama'")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+    if kind not in (None, "default"):
+        raise ValueError(f"RoPE scaling {kind!r} is not supported (only plain RoPE)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ValueError(f"{flag} is set; our decoder has no biases")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not silu")
+    dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if int(cfg.get("head_dim") or dim // heads) != dim // heads:
+        raise ValueError(f"head_dim {cfg['head_dim']} != hidden_size / heads ({dim // heads})")
+    theta = cfg.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None)
+    return ModelArgs(dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=heads,
+                     n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                     ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+                     max_seq_len=int(cfg.get("max_position_embeddings") or 2048),
+                     rope_theta=float(theta or 10000.0), norm_eps=float(cfg.get("rms_norm_eps",
+                                                                                 1e-5)),
+                     init_std=float(cfg.get("initializer_range", 0.02)))
+
+
+def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our state dict -> ``LlamaForCausalLM`` names (q/k/v and gate/up split by rows)."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"],
+           "model.norm.weight": sd["norm.weight"], "lm_head.weight": sd["output.weight"]}
+    for i in range(args.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        wq, wk, wv = sd[p + "attention.wqkv.weight"].split([q, kv, kv], dim=0)
+        gate, up = sd[p + "feed_forward.w13.weight"].split([args.ffn_dim, args.ffn_dim], dim=0)
+        out.update({
+            h + "input_layernorm.weight": sd[p + "attention_norm.weight"],
+            h + "self_attn.q_proj.weight": wq, h + "self_attn.k_proj.weight": wk,
+            h + "self_attn.v_proj.weight": wv,
+            h + "self_attn.o_proj.weight": sd[p + "attention.wo.weight"],
+            h + "post_attention_layernorm.weight": sd[p + "ffn_norm.weight"],
+            h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
+            h + "mlp.down_proj.weight": sd[p + "feed_forward.w2.weight"]})
+    return out
+
+
+def from_hf(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` names -> our state dict (q/k/v and gate/up concatenated)."""
+    import torch
+
+    head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])  # tied: the embedding
+    out = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
+           "norm.weight": hf["model.norm.weight"], "output.weight": head}
+    for i in range(args.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        out.update({
+            p + "attention_norm.weight": hf[h + "input_layernorm.weight"],
+            p + "attention.wqkv.weight": torch.cat([hf[h + f"self_attn.{n}_proj.weight"]
+                                                    for n in "qkv"], dim=0),
+            p + "attention.wo.weight": hf[h + "self_attn.o_proj.weight"],
+            p + "ffn_norm.weight": hf[h + "post_attention_layernorm.weight"],
+            p + "feed_forward.w13.weight": torch.cat([hf[h + "mlp.gate_proj.weight"],
+                                                      hf[h + "mlp.up_proj.weight"]], dim=0),
+            p + "feed_forward.w2.weight": hf[h + "mlp.down_proj.weight"]})
+    return out
+
+
+def write_hf_dir(out_dir: str | Path, sd: dict[str, torch.Tensor], args: ModelArgs, *,
+                 dtype: str = "float32", tokenizer: str | None = None,
+                 max_shard_bytes: int = _SHARD_BYTES) -> list[str]:
+    """Write a Llama-format directory from our state dict; returns the files written.
+
+    ``tokenizer`` is a ``tokenizer.json`` path (or "byte" / None: no tokenizer files); files
+    of the same tokenizer that sit beside it (tokenizer_config.json, ...) are copied too.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bos, eos = _special_ids(tokenizer)
+    tensors = {k: v.detach().to(getattr(torch, dtype)).contiguous()
+               for k, v in to_hf(sd, args).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    written = [CONFIG]
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / WEIGHTS), metadata=meta)
+        written.append(WEIGHTS)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata=meta)
+            weight_map.update({k: name for k in shard})
+            written.append(name)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                             "weight_map": weight_map}, indent=2))
+        written.append(INDEX)
+    (out / CONFIG).write_text(json.dumps(hf_config(args, dtype, bos, eos), indent=2))
+    if tokenizer and tokenizer != "byte" and Path(tokenizer).expanduser().is_file():
+        src = Path(tokenizer).expanduser()
+        for name in _TOKENIZER_FILES:
+            candidate = src if name == "tokenizer.json" else src.parent / name
+            if candidate.is_file():
+                shutil.copyfile(candidate, out / name)
+                written.append(name)
+    return written
+
+
+def _special_ids(tokenizer: str | None) -> tuple[int | None, int | None]:
+    if not tokenizer:
+        return None, None
+    from trainer.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(tokenizer)
+    except (OSError, ValueError):
+        return None, None
+    return tok.bos_id, tok.eos_id
+
+
+def read_hf_dir(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Shape and our state dict from a local Llama-format directory (one or many shards)."""
+    from safetensors.torch import load_file
+
+    root = Path(path).expanduser()
+    args = args_from_hf_config(json.loads((root / CONFIG).read_text()))
+    if (root / INDEX).is_file():
+        files = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
+    elif (root / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        raise FileNotFoundError(f"{root}: neither {WEIGHTS} nor {INDEX}")
+    hf: dict[str, torch.Tensor] = {}
+    for name in files:
+        hf.update(load_file(str(root / name)))
+    return args, from_hf(hf, args)
+
+
+def check_shape(args: ModelArgs, hf_args: ModelArgs) -> list[str]:
+    """Fields where our configured shape and the HF directory's disagree (weights only:
+    max_seq_len and init_std may differ)."""
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta",
+            "norm_eps")
+    ours, theirs = asdict(args), asdict(hf_args)
+    return [f"{k}: {ours[k]} here, {theirs[k]} in the HF config" for k in keys
+            if ours[k] != theirs[k]]
+
+
+def load_into(model: torch.nn.Module, path: str | Path) -> None:
+    """Load a Llama-format directory into our (possibly FSDP2-sharded) model, in place.
+
+    Every rank reads the directory; DCP's state-dict API scatters the full tensors into
+    each rank's shards. The model's own shape must match (config validation checks it).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from trainer.parallel import unwrap
+
+    args, sd = read_hf_dir(path)
+    mismatch = check_shape(unwrap(model).args, args)
+    if mismatch:
+        raise ValueError(f"{path}: shape differs from the model: {'; '.join(mismatch)}")
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True,
+                                                             strict=True))
+
+
+def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Path, *,
+                      dtype: str = "float32", tokenizer: str | None = None,
+                      log: Callable[[str], None] = print) -> list[str]:
+    """Write a verified DCP checkpoint's model weights as a Llama-format directory.
+
+    The shape comes from the manifest (``model``), the tokenizer from the manifest unless
+    given. Reads only the model's tensors (no optimizer state), on the CPU, no process group.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import layout
+    from trainer.model import Transformer
+
+    if "model" not in manifest:
+        raise ValueError(f"{step_url}: the manifest records no model shape (written before "
+                         "exports were supported)")
+    args = ModelArgs(**manifest["model"])
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    state = {"app": {"model": model.state_dict()}}
+    if layout.is_remote(step_url):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader: Any = FsspecReader(step_url)
+    else:
+        reader = dcp.FileSystemReader(layout.filesystem(step_url)[1])
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    tok = tokenizer if tokenizer is not None else manifest.get("tokenizer")
+    written = write_hf_dir(out_dir, state["app"]["model"], args, dtype=dtype, tokenizer=tok)
+    log(f"exported step {manifest.get('step')} ({model.num_params():,} parameters, {dtype}) "
+        f"to {out_dir}: {', '.join(written)}")
+    return written
