@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs the GPU benchmarks and tests on a lent GPU machine (no network there: the Python
+# packages the GPU image lacks travel as wheels in .whl/). Part A: GPU tests + throughput/MFU.
+# Part B: checkpoint stall, time to recover under `orchestrator up`, accelerator health checks.
+#   bash bench/run_gpu.sh A|B      (results under bench/results/, copied to $OUT when set)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-A}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared hosts (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+if [ "$part" = A ]; then
+  python3 -m pytest tests/gpu -q -p no:cacheprovider -x 2>&1 | tee "$out/gpu-tests.log" | tail -15
+  python3 bench/gpu_train.py --out gpu-train-h100.json 2>&1 | tail -8
+  cp bench/results/gpu-train-h100.json "$out/" 2>/dev/null
+else
+  python3 bench/gpu_checkpoint.py --out gpu-checkpoint-h100.json 2>&1 | tail -4
+  cp bench/results/gpu-checkpoint-h100.json "$out/" 2>/dev/null
+  python3 bench/recovery.py configs/gpu-1b-h100.yaml --device "$(nvidia-smi --query-gpu=name \
+    --format=csv,noheader | head -1)" --set trainer.steps=70 --set checkpoint.interval_steps=20 \
+    --set timeouts.training_floor_s=5 --set restart.backoff_initial_s=0.5 \
+    --kill-step 30 --stop-step 50 --out recovery-h100.json 2>&1 | tail -30
+  cp bench/results/recovery-h100.json "$out/" 2>/dev/null
+  if [ -f bench/gpu_health.py ]; then
+    python3 bench/gpu_health.py 2>&1 | tail -10
+    cp bench/results/health-*.json "$out/" 2>/dev/null
+  fi
+fi
+ls -la "$out"
