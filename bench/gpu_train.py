@@ -104,25 +104,26 @@ def time_steps(parts, n: int) -> list[float]:
     return out
 
 
-def run_mode(compile_: bool, args: argparse.Namespace, peak: float) -> dict[str, Any]:
+def run_mode(compile_: bool, strategy: str, mbs: int, args: argparse.Namespace,
+             peak: float) -> dict[str, Any]:
     from trainer.presets import PRESETS
 
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    parts = build(compile_, args.strategy, args.mbs, args.seq, args.ac, args.data, args.preset)
+    parts = build(compile_, strategy, mbs, args.seq, args.ac, args.data, args.preset)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     warm = time_steps(parts, args.warmup)
     warm_s = time.perf_counter() - t0
     steps = time_steps(parts, args.steps)
     step_s = statistics.median(steps)
-    tokens = args.mbs * args.seq
+    tokens = mbs * args.seq
     flops = PRESETS[args.preset].flops_per_token(args.seq) * tokens
     result = {
-        "compile": compile_, "strategy": args.strategy, "activation_checkpointing": args.ac,
-        "micro_batch_size": args.mbs, "seq_len": args.seq, "build_s": round(build_s, 2),
+        "compile": compile_, "strategy": strategy, "activation_checkpointing": args.ac,
+        "micro_batch_size": mbs, "seq_len": args.seq, "build_s": round(build_s, 2),
         "warmup_s": round(warm_s, 2), "first_step_s": round(warm[0], 3),
         "median_step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
         "mfu_vs_989": round(flops / step_s / H100_BF16_DENSE, 4),
@@ -130,8 +131,9 @@ def run_mode(compile_: bool, args: argparse.Namespace, peak: float) -> dict[str,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if DEVICE == "cuda" else None,
     }
-    if args.overhead and not compile_:
+    if args.overhead and args.overhead_run:
         result["monitoring"] = monitoring_overhead(parts, args.overhead)
+        args.overhead_run = False
     del parts
     return result
 
@@ -197,14 +199,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--data", default=os.path.expanduser(
         "~/.cache/orchestrator/datasets/stdlib-byte"))
-    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--runs", default="eager:fsdp2:4,compiled:fsdp2:4,compiled:none:4,"
+                    "compiled:fsdp2:8,compiled:none:8",
+                    help="comma-separated mode:strategy:micro_batch runs")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--ac", default="none")
-    ap.add_argument("--strategy", default="fsdp2")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--overhead", type=int, default=4, help="blocks of 5+5 steps; 0 skips")
-    ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--out", default="gpu-train.json")
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
@@ -222,8 +224,10 @@ def main() -> int:
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else None
     report = {**header(device), "matmul_peak_tflops": round(peak / 1e12, 1),
               "reference_tflops": H100_BF16_DENSE / 1e12, "model": args.preset, "runs": []}
-    for mode in args.modes.split(","):
-        report["runs"].append(run_mode(mode == "compiled", args, peak))
+    args.overhead_run = True  # measured once, on the first run (eager: no compile noise)
+    for spec in args.runs.split(","):
+        mode, strategy, mbs = spec.split(":")
+        report["runs"].append(run_mode(mode == "compiled", strategy, int(mbs), args, peak))
         print(report["runs"][-1], flush=True)
         import torch.distributed as dist
 

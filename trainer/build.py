@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from orchestrator.worker import Worker, WorkerContext
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.retry import retrying
@@ -125,8 +127,14 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     else:
         log("no checkpoint found: starting from scratch")
     chaos = ctx.chaos
-    return Parts(cfg, dctx, model, optimizer, scheduler, loader, progress, checkpointer, state,
+    parts = Parts(cfg, dctx, model, optimizer, scheduler, loader, progress, checkpointer, state,
                  worker, settings.checkpoint.interval_steps, log, guard,
                  set(chaos.get("poison_batches") or []),
                  float(chaos.get("slow_checkpoint_s") or 0.0),
                  float(chaos.get("slow_first_step_s") or 0.0))
+    if cfg.parallelism.compile:
+        from trainer.loop import token_loss
+
+        # Fused upcast + log-softmax: the fp32 logits (4 bytes x vocab x tokens) never exist.
+        parts.loss_fn = torch.compile(token_loss)
+    return parts

@@ -24,6 +24,11 @@ from trainer.state import Progress, params_digest
 POISON_SCALE = 1e4
 
 
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
 @dataclass
 class Parts:
     cfg: TrainerConfig
@@ -43,6 +48,7 @@ class Parts:
     slow_checkpoint_s: float = 0.0  # chaos: extra blocking time per save
     slow_first_step_s: float = 0.0  # chaos: extra time in each generation's first step
     startup: dict[str, float | None] | None = None  # wall times of start-up milestones
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss
 
 
 def _grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -76,7 +82,7 @@ def train_step(p: Parts) -> dict[str, Any]:
         targets = targets.to(p.dctx.device, non_blocking=True)
         with _grad_sync(p.model, i == accum - 1), _autocast(p):
             logits = p.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+            loss = p.loss_fn(logits, targets)
         (loss * (scale / accum)).backward()
         loss_sum += loss.detach()
     grad_norm = clip_grad_norm_(p.model.parameters(), p.cfg.optimizer.grad_clip)

@@ -99,15 +99,19 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+        gqa = {}
         if self.n_kv_heads != self.n_heads:
-            # Expanding K/V explicitly instead of SDPA's enable_gqa: on torch 2.11 (H100) only
-            # the bf16 flash and cuDNN kernels accept enable_gqa; fp32 and the memory-efficient
-            # kernel then fall back to the slow math kernel. Query head h reads kv head
-            # h // n_rep, as in HF's repeat_kv.
-            n_rep = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+                # The flash and cuDNN kernels read shared K/V heads directly: no copies.
+                gqa = {"enable_gqa": True}
+            else:
+                # Elsewhere (fp32, CPU) expand K/V: on torch 2.11 only the half-precision
+                # flash and cuDNN kernels accept enable_gqa, the rest fall back to the slow
+                # math kernel. Query head h reads kv head h // n_rep, as in HF's repeat_kv.
+                n_rep = self.n_heads // self.n_kv_heads
+                k = k.repeat_interleave(n_rep, dim=1)
+                v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         out = out.transpose(1, 2).reshape(bsz, seqlen, q_size)
         return self.wo(out)
 
@@ -211,7 +215,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         h = self.norm(h)
-        return self.output(h).float()
+        # Logits in the compute dtype: the loss upcasts them (inside a compiled function when
+        # compile is on, so the fp32 copy of a vocab-sized tensor is never materialised).
+        return self.output(h)
 
     def num_params(self) -> int:
         """Number of parameters (global counts, also for sharded DTensor parameters)."""

@@ -34,17 +34,20 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig) -> None:
+def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
+               world_size: int) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[prec.param_dtype],
                               reduce_dtype=_DTYPES[prec.reduce_dtype])
+    # On one rank resharding frees nothing (the shard is the whole tensor) and only costs a
+    # re-gather in backward.
+    reshard = par.reshard_after_forward and world_size > 1
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again at once by backward: keep them.
         last = i == len(model.layers) - 1
-        fully_shard(block, mp_policy=mp,
-                    reshard_after_forward=par.reshard_after_forward and not last)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=par.reshard_after_forward)
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard and not last)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -73,7 +76,7 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
     if strategy not in ("fsdp2", "ddp", "none"):
         raise ValueError(f"parallelism.strategy {strategy!r} is set up by trainer.backends")
     if strategy == "fsdp2" and dctx.distributed:
-        apply_fsdp(model, par, prec)
+        apply_fsdp(model, par, prec, dctx.world_size)
     materialize(model, dctx.device, seed)
     if strategy == "ddp" and dctx.distributed:
         from torch.nn.parallel import DistributedDataParallel

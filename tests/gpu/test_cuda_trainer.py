@@ -63,11 +63,9 @@ def test_fsdp2_bf16_compile_checkpoint_and_resume(cuda_parts) -> None:
     assert all(p.dtype == torch.float32 for p in parts.model.parameters())  # fp32 master
     assert parts.optimizer.defaults["fused"] is True
     default_pg = dist.distributed_c10d._get_default_group()
-    assert dist.distributed_c10d._get_pg_default_device(default_pg).type == "cuda"
-    timeout = dist.distributed_c10d._get_pg_config(default_pg)["timeout"] \
-        if hasattr(dist.distributed_c10d, "_get_pg_config") else None
-    if timeout is not None:
-        assert timeout == datetime.timedelta(seconds=123)
+    nccl = default_pg._get_backend(torch.device("cuda"))
+    assert type(nccl).__name__ == "ProcessGroupNCCL"
+    assert nccl.options._timeout == datetime.timedelta(seconds=123)  # ours, never NCCL's
     first = train_step(parts)["loss"]
     assert first > 4.0  # ~ln(258) at init
     train(parts)
