@@ -85,8 +85,11 @@ def build(compile_: bool, strategy: str, mbs: int, seq: int, ac: str, data: str,
                         "activation_checkpointing": ac},
         "param_norm_every": 10_000,
     })
+    import tempfile
+
+    # A fresh, empty checkpoint root: nothing to restore, nothing of another run mixed in.
     settings = WorkerSettings(cfg, CheckpointConfig(interval_steps=10**9), StabilityConfig(),
-                              "bench", "/tmp/bench-ckpt", "bench")
+                              "bench", tempfile.mkdtemp(prefix="bench-ckpt-"), "bench")
     dctx = init_distributed(cfg)
     return build_parts(settings, dctx, WorkerContext(), _NoWorker(), lambda m: None)
 
