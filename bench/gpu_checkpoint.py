@@ -80,20 +80,24 @@ def main() -> int:
     for _ in range(3):  # warm-up
         train_step(parts)
     saves, quiet, overlapping = [], [], []
-    for i in range(args.saves * args.every):
-        committed = [e for e in recorder.events if e[1] == "checkpoint_committed"]
-        busy = len(committed) < len(saves)  # a save is still being written or committed
+
+    def timed_step() -> float:
         gpu_train._sync()
         t0 = time.perf_counter()
         train_step(parts)
         gpu_train._sync()
-        (overlapping if busy else quiet).append(time.perf_counter() - t0)
-        if (i + 1) % args.every == 0:
-            step = parts.progress.step
-            blocked = ckpt.save(step, parts.checkpoint_state, parts.progress.tokens)
-            saves.append({"step": step, "blocking_s": round(blocked, 4)})
+        return time.perf_counter() - t0
+
+    for _ in range(args.saves):
+        quiet += [timed_step() for _ in range(args.every)]
+        step = parts.progress.step
+        blocked = ckpt.save(step, parts.checkpoint_state, parts.progress.tokens)
+        saves.append({"step": step, "blocking_s": round(blocked, 4),
+                      "of_which_waiting_s": round(ckpt.last_wait_s, 4)})
+        # Train on while it is written and committed: these steps overlap the write.
+        while len([e for e in recorder.events if e[1] == "checkpoint_committed"]) < len(saves):
+            overlapping.append(timed_step())
     ckpt.wait()
-    ckpt.close()
     committed = [e[2] for e in recorder.events if e[1] == "checkpoint_committed"]
     for s, c in zip(saves, committed, strict=False):
         s.update({"save_s": c.get("save_s"), "bytes": c.get("bytes")})

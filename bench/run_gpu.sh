@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU benchmarks and tests on a lent GPU machine (no network there: the Python
 # packages the GPU image lacks travel as wheels in .whl/). Part A: GPU tests + throughput/MFU.
-# Part B: checkpoint stall, time to recover under `orchestrator up`, accelerator health checks.
-#   bash bench/run_gpu.sh A|B      (results under bench/results/, copied to $OUT when set)
+# B: checkpoint stall. C: time to recover under `orchestrator up`. D: accelerator health checks.
+#   bash bench/run_gpu.sh A|B|C|D      (results under bench/results/, copied to $OUT when set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-A}
@@ -23,17 +23,19 @@ if [ "$part" = A ]; then
   python3 -m pytest tests/gpu -q -p no:cacheprovider -x 2>&1 | tee "$out/gpu-tests.log" | tail -15
   python3 bench/gpu_train.py --out gpu-train-h100.json 2>&1 | tail -8
   cp bench/results/gpu-train-h100.json "$out/" 2>/dev/null
-else
-  python3 bench/gpu_checkpoint.py --out gpu-checkpoint-h100.json 2>&1 | tail -4
+elif [ "$part" = B ]; then
+  python3 bench/gpu_checkpoint.py --saves 3 --every 20 --out gpu-checkpoint-h100.json 2>&1 | tail -4
   cp bench/results/gpu-checkpoint-h100.json "$out/" 2>/dev/null
+elif [ "$part" = C ]; then
+  # Saves take ~40 s on this disk: space them so each commits before the next, and kill
+  # only after one has committed (else the restart has nothing to resume).
   python3 bench/recovery.py configs/gpu-1b-h100.yaml --device "$(nvidia-smi --query-gpu=name \
-    --format=csv,noheader | head -1)" --set trainer.steps=70 --set checkpoint.interval_steps=20 \
+    --format=csv,noheader | head -1)" --set trainer.steps=800 --set checkpoint.interval_steps=200 \
     --set timeouts.training_floor_s=5 --set restart.backoff_initial_s=0.5 \
-    --kill-step 30 --stop-step 50 --out recovery-h100.json 2>&1 | tail -30
+    --kill-step 500 --stop-step 700 --out recovery-h100.json 2>&1 | tail -40
   cp bench/results/recovery-h100.json "$out/" 2>/dev/null
-  if [ -f bench/gpu_health.py ]; then
-    python3 bench/gpu_health.py 2>&1 | tail -10
-    cp bench/results/health-*.json "$out/" 2>/dev/null
-  fi
+else
+  python3 bench/gpu_health.py 2>&1 | tail -10
+  cp bench/results/health-*.json "$out/" 2>/dev/null
 fi
 ls -la "$out"

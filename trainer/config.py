@@ -301,6 +301,10 @@ class CheckpointConfig(_Section):
     async_save: bool = Field(
         True, description="DCP async_save: the step waits only for staging."
     )
+    write_threads: int = Field(
+        4, ge=1, le=64,
+        description="Threads each rank writes its DCP files with (one file per thread); "
+                    "fast NVMe needs several to reach its bandwidth.")
     verify_on_load: bool = Field(
         True, description="Verify the manifest's checksums before loading."
     )

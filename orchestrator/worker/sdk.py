@@ -92,6 +92,8 @@ class Worker:
         self._phase = "init"
         self._last_step_ts: float | None = None
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVAL_WINDOW)
+        self._phase_since: float | None = None
+        self._other_s = 0.0  # seconds in non-training phases since the last step
         self._records: list[dict[str, Any]] = []
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
@@ -140,8 +142,11 @@ class Worker:
         now = self._clock()
         with self._lock:
             if self._last_step_ts is not None:
-                self._intervals.append(now - self._last_step_ts)
+                # Time in other phases (a blocking checkpoint save) has timeouts of its own
+                # and would inflate the calibrated training timeout: it is not step time.
+                self._intervals.append(max(0.0, now - self._last_step_ts - self._other_s))
             self._step, self._last_step_ts = step, now
+            self._other_s = 0.0
             if self._phase != "training":
                 self._phase = "training"
             if self._send_records:
@@ -162,8 +167,12 @@ class Worker:
     def set_phase(self, name: str) -> None:
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
+        now = self._clock()
         with self._lock:
-            self._phase = name
+            if self._phase != "training" and self._phase_since is not None \
+                    and self._last_step_ts is not None:
+                self._other_s += now - self._phase_since
+            self._phase, self._phase_since = name, now
         self._beat()  # a phase change is news: the timeout that applies just changed
 
     @contextlib.contextmanager

@@ -1,0 +1,74 @@
+"""The worker SDK: progress bookkeeping, phases, and beats over a real unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
+from orchestrator.worker.sdk import Worker, WorkerContext
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_checkpoint_time_is_not_step_time() -> None:
+    clock = Clock()
+    w = Worker(env={"RANK": "0"}, clock=clock)
+    w.step_done(1)
+    clock.t = 1.0
+    w.step_done(2)
+    with w.phase("checkpointing"):
+        clock.t = 21.0  # a 20 s blocking save
+    clock.t = 22.0
+    w.step_done(3)
+    assert list(w._intervals) == [1.0, 1.0]
+
+
+def test_only_rank_zero_sends_step_records() -> None:
+    assert Worker(env={"RANK": "0"})._send_records
+    assert not Worker(env={"RANK": "3"})._send_records
+
+
+def test_context_from_environment() -> None:
+    ctx = WorkerContext.from_env({
+        "RANK": "1", "WORLD_SIZE": "4", "ORCH_GENERATION": "3", "ORCH_RESUME_MAX_STEP": "0",
+        "ORCH_SKIP_WINDOWS": "[[4, 9]]", "ORCH_LR_SCALE": "0.5", "ORCH_AGENT_SOCKET": "/x"})
+    assert (ctx.rank, ctx.world_size, ctx.generation) == (1, 4, 3)
+    assert ctx.resume_max_step == 0 and ctx.skip_windows == [(4, 9)] and ctx.lr_scale == 0.5
+    assert ctx.managed
+
+
+def test_beats_and_events_reach_the_agent_socket() -> None:
+    events: list[dict] = []
+
+    async def scenario() -> LocalHub:
+        hub = LocalHub(on_event=events.append)
+        server = LocalSocketServer(hub)
+        await server.start()
+        w = Worker(env={"RANK": "0", "ORCH_AGENT_SOCKET": server.path,
+                        "ORCH_HEARTBEAT_INTERVAL": "0.05", "ORCH_GENERATION": "2"})
+        await asyncio.to_thread(w.start)
+        w.step_done(1, loss=2.5)
+        w.step_done(2, loss=2.4)
+        w.event("checkpoint_committed", step=2)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (0 not in hub.beats or hub.beats[0].step != 2
+                                               or not events):
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(w.close)
+        await server.close()
+        return hub
+
+    hub = asyncio.run(scenario())
+    beat = hub.beats[0]
+    assert beat.step == 2 and beat.phase == "training" and beat.generation == 2
+    generation, records = hub.take_records()
+    assert generation == 2 and [r["step"] for r in records] == [1, 2]
+    assert records[0]["loss"] == 2.5
+    assert events and events[0]["name"] == "checkpoint_committed"
