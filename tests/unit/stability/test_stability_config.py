@@ -16,7 +16,7 @@ def test_defaults_are_the_study_rules():
     assert g.action == "record"
     assert g.zscore_k == 3.0 and g.include_spikes_in_mean is False
     assert (c.growth.ratio, c.growth.action) == (3.0, "record")
-    assert (c.persistent_spike.length, c.persistent_spike.action) == (5, "rollback")
+    assert (c.persistent_spike.length, c.persistent_spike.action) == (5, "record")
     assert c.loss.nonfinite.action == "rollback"
     assert (c.loss.spike.zscore_k, c.loss.spike.action) == (6.0, "record")
     assert (c.param_norm.jump_ratio, c.param_norm.action) == (1.5, "record")
@@ -68,7 +68,8 @@ def test_bad_values_are_rejected_naming_the_dotted_field(data, field):
 
 
 def test_cross_field_problems_are_collected_into_one_error():
-    data = {"loss": {"spike": {"zscore_k": None}}, "rollback": {"max_rollbacks": 0}}
+    data = {"loss": {"spike": {"zscore_k": None}}, "rollback": {"max_rollbacks": 0},
+            "persistent_spike": {"action": "rollback"}}
     with pytest.raises(ValidationError) as info:
         StabilityConfig.model_validate(data)
     message = str(info.value)
@@ -80,7 +81,7 @@ def test_rule_actions_lists_enabled_rules_only():
     c = StabilityConfig.model_validate({"growth": {"enabled": False}})
     assert c.rule_actions() == {
         "grad_spike": "record",
-        "persistent_spike": "rollback",
+        "persistent_spike": "record",
         "loss.nonfinite": "rollback",
         "loss.spike": "record",
         "param_norm": "record",

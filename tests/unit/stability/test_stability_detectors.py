@@ -103,7 +103,8 @@ def test_nonfinite_grad_norm_does_not_poison_the_window():
 
 
 def test_persistent_spike_fires_once_at_length_n():
-    monitor = StabilityMonitor(StabilityConfig())
+    monitor = StabilityMonitor(StabilityConfig.model_validate(
+        {"persistent_spike": {"action": "rollback"}}))
     grads = steady_grads(70, **{f"s{s}": 1.6 for s in range(40, 48)})
     events = run(monitor, records(grads))
     assert kinds(events) == [
