@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import BY_NAME
@@ -101,6 +101,12 @@ class HealthConfig(_Section):
     timeouts: dict[str, float] = Field(
         default_factory=dict, description="Per-check timeout overrides, seconds, by check name.")
     chaos: HealthChaos = Field(default_factory=HealthChaos)
+
+    @field_validator("preflight", "after_failure", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        # YAML 1.1 reads a bare `off` as false: take it for what the operator wrote.
+        return "off" if v is False else v
 
     @model_validator(mode="after")
     def _known_checks(self) -> HealthConfig:
