@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import env, journal, status, up, write_config
+from jobs import env, journal, kill_run, status, up, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -122,8 +122,10 @@ def test_health_command_names_the_slow_node_and_cuts_a_hung_check(tmp_path: Path
 
 def test_health_command_on_two_healthy_nodes_measures_the_network(tmp_path: Path,
                                                                   dataset_dir: Path) -> None:
+    # No --level: the command runs the config's preflight level.
     cfg = write_config(tmp_path / "job.yaml", dataset_dir,
-                       health={"network": {"allreduce_mib": 8, "pairwise_mib": 4}})
+                       health={"preflight": "full",
+                               "network": {"allreduce_mib": 8, "pairwise_mib": 4}})
     proc, report = _health(tmp_path, cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["ok"] and report["level"] == "full" and set(report["nodes"]) == {"local-0",
@@ -133,3 +135,38 @@ def test_health_command_on_two_healthy_nodes_measures_the_network(tmp_path: Path
     assert link > 0 and by[("local-1", "network.pairwise")]["details"]["links"]["local-0"] == link
     assert by[("local-0", "network.allreduce")]["details"]["backend"] == "gloo"
     assert all(r["ok"] for r in report["results"])
+
+
+def test_waiting_for_a_bad_node_to_recover_then_running(tmp_path: Path,
+                                                        dataset_dir: Path) -> None:
+    # on_insufficient: wait. local-1's scratch directory is broken, then repaired while the
+    # supervisor waits: the next re-check admits it and the job runs on both nodes.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    broken = scratch / "local-1"
+    broken.write_text("not a directory")
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer={"steps": 20},
+                       health={"preflight": "quick", "on_insufficient": "wait",
+                               "retry_interval_s": 2, "scratch_dir": str(scratch / "{node_id}")})
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(cfg), "--run-dir",
+                             str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env(), start_new_session=True)
+    try:
+        wait_for(lambda: any(e["kind"] == "node_state" and e["state"] == "excluded"
+                             for e in journal(run)), 120, what="local-1 excluded")
+        time.sleep(3.0)  # at least one re-check fails while the directory is still broken
+        broken.unlink()
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        kill_run(run, proc)
+    assert proc.returncode == 0, out[-4000:]
+    events = journal(run)
+    rounds = [e for e in events if e["kind"] == "health_round"]
+    assert rounds[0]["failed"] == {"local-1": ["host.disk"]}
+    assert len(rounds) >= 3 and rounds[-1]["nodes"] == ["local-1"] and rounds[-1]["failed"] == {}
+    states = [(e["node_id"], e["state"]) for e in events if e["kind"] == "node_state"]
+    assert ("local-1", "excluded") in states and ("local-1", "registered") in states
+    launch = next(e for e in events if e["kind"] == "generation_launched")
+    assert launch["nodes"] == {"local-0": 0, "local-1": 1}
+    assert status(run)["state"] == "COMPLETED"
