@@ -27,14 +27,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import header, write  # noqa: E402
+from common import header, write
 
-from orchestrator.health.base import Level  # noqa: E402
-from orchestrator.health.catalog import node_checks  # noqa: E402
-from orchestrator.health.config import HealthConfig  # noqa: E402
-from orchestrator.health.context import build_node_context  # noqa: E402
-from orchestrator.health.nvml import read_nvml  # noqa: E402
-from orchestrator.health.runner import run_node_checks  # noqa: E402
+from orchestrator.health.base import Level
+from orchestrator.health.catalog import node_checks
+from orchestrator.health.config import HealthConfig
+from orchestrator.health.context import build_node_context
+from orchestrator.health.nvml import read_nvml
+from orchestrator.health.runner import run_node_checks
 
 
 def device_slug(results: list[dict[str, Any]]) -> tuple[str, str]:

@@ -64,10 +64,14 @@ class HealthWork:
         assert h is not None
         start = time.monotonic()
         if h.stage == "node":
-            ctx = NodeContext.model_validate(h.context)
-            results = await run_node_checks(ctx)
+            try:
+                results = await run_node_checks(NodeContext.model_validate(h.context))
+                error = None
+            except Exception as exc:  # noqa: BLE001 - reported, the supervisor decides
+                results, error = [], f"the checks could not run: {type(exc).__name__}: {exc}"
             report = HealthReport(nonce=h.nonce, stage="node", sent_ts=time.time(),
-                                  results=[r.model_dump(mode="json") for r in results])
+                                  results=[r.model_dump(mode="json") for r in results],
+                                  error=error)
         else:
             measured, error = await self._network(a)
             report = HealthReport(nonce=h.nonce, stage="network", measured=measured,

@@ -202,8 +202,9 @@ class HealthCoordinator:
             return [head("agent.report", failed(why), timeout)]
         report, received = got
         out = [CheckResult.model_validate(r) for r in report.results]
-        out.append(head("agent.report", passed(f"reported after {received - issued:.1f} s"),
-                        received - issued))
+        took = received - issued
+        out.append(head("agent.report", failed(report.error) if report.error else
+                        passed(f"reported after {took:.1f} s"), took))
         skew = report.sent_ts - received
         floor = self.cfg.floors.clock_skew_s
         text = f"{abs(skew):.3f} s {'ahead of' if skew > 0 else 'behind'} the head"

@@ -26,7 +26,7 @@ def is_local(url: str) -> bool:
 
 
 def local_path(url: str) -> Path:
-    return Path(url[len("file://"):] if url.startswith("file://") else url).expanduser()
+    return Path(url.removeprefix("file://")).expanduser()
 
 
 def scratch_dir(ctx: NodeContext) -> Path:

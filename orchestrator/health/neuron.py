@@ -39,7 +39,7 @@ def run_neuron_ls(timeout: float = 30.0) -> str:
     if exe is None:
         raise NeuronLsError("neuron-ls is not installed")
     proc = subprocess.run([exe, "--json-output"], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
     if proc.returncode != 0 or not proc.stdout.strip():
         raise NeuronLsError(f"neuron-ls exited {proc.returncode}: "
                             f"{(proc.stderr or proc.stdout).strip()[:300]}")
@@ -190,7 +190,7 @@ def check_nccom(ctx: NodeContext) -> Outcome:
     limit = max(5.0, ctx.timeouts.get("neuron.nccom", 300.0) - 10.0)
     try:
         proc = subprocess.run([exe, "-r", str(ranks), "allr"], capture_output=True,
-                              text=True, timeout=limit)
+                              text=True, timeout=limit, check=False)
     except subprocess.TimeoutExpired:
         return failed(f"nccom-test -r {ranks} allr did not finish in {limit:.0f} s")
     return judge_nccom(proc.returncode, proc.stdout + proc.stderr, ctx.floors.nccom_busbw_gbps)

@@ -214,7 +214,8 @@ def read_kernel_log(timeout: float = 20.0) -> tuple[str | None, str]:
             reasons.append(f"{cmd[0]}: not installed")
             continue
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             reasons.append(f"{cmd[0]}: {exc}")
             continue

@@ -39,7 +39,7 @@ class FakeSupervisor:
         for i in range(n):
             nodes.register(RegisterRequest(node_id=f"local-{i}", host="h", addr="127.0.0.1",
                                            procs=1, agent_pid=1, free_port=20000 + i))
-        self.intake = SimpleNamespace(nodes=nodes, mark_silent_nodes_lost=lambda: [],
+        self.intake = SimpleNamespace(nodes=nodes, mark_silent_nodes_lost=list,
                                       set_node_state=self._set_state)
         self.health = HealthCoordinator(self)
 
