@@ -151,6 +151,8 @@ class HealthCoordinator:
             for node_id, extra in (await self._network_stage(nonce, healthy, level)).items():
                 results.setdefault(node_id, []).extend(extra)
                 self._journal(nonce, extra)
+        for stage in ("node", "network"):  # late reports of this round are not waited for
+            self._reports.pop((nonce, stage), None)
         failed_checks = {n: [r.check for r in rs if not r.ok] for n, rs in results.items()}
         self.sup.record("health_round", round=nonce, level=level.value, nodes=ids,
                         failed={n: c for n, c in failed_checks.items() if c},

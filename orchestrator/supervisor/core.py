@@ -32,7 +32,7 @@ from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.hangs import collective_timeout_s
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
-from orchestrator.supervisor.placement import Placement, place
+from orchestrator.supervisor.placement import Placement, _id_key, place
 from orchestrator.supervisor.policy import GenerationFailed, OperatorStop, RestartPolicy
 
 # How often the observe loop wakes without news, to check silences and timeouts.
@@ -369,7 +369,7 @@ class Supervisor:
                 raise OperatorStop()
             await asyncio.sleep(_TICK_S)
         usable = sorted((n for n in nodes.values() if n.usable),
-                        key=lambda n: n.node_id)
+                        key=lambda n: _id_key(n.node_id))
         results = await self.health.run_round(usable, level) if usable else {}
         fatal = sorted({n for n, rs in results.items() if any(r.fatal_failure for r in rs)})
         self.transition(JobState.STOPPED, cause=Cause.OPERATOR, reason=(

@@ -44,3 +44,19 @@ def test_every_check_has_a_failure_series_from_the_start() -> None:
     metrics.on_event({"kind": "health", "check": "host.disk", "ok": True})
     text = generate_latest(metrics.registry).decode()
     assert 'orchestrator_health_check_failures_total{check="host.disk",job="j"} 1.0' in text
+
+
+def test_health_command_rejects_bad_input_before_starting_anything(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", "health", *args,
+                               "--run-dir", str(tmp_path / "run")], capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    bad_level = run("--level", "thorough")
+    assert bad_level.returncode == 2 and "must be quick or full" in bad_level.stderr
+    bad_config = run("--set", "health.floors.disk_gib=-1")
+    assert bad_config.returncode == 2 and "health.floors.disk_gib" in bad_config.stderr
+    assert not (tmp_path / "run" / "events.jsonl").exists()

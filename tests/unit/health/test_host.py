@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from orchestrator.health import host
 from orchestrator.health.context import SharedFsProbe
 
@@ -69,3 +71,34 @@ def test_shared_fs_node_half(make_ctx, tmp_path: Path) -> None:
     (shared / "n.head").write_text("n0nce")
     assert host.check_shared_fs(ctx).ok
     assert (shared / "n.local-0").read_text() == "n0nce local-0"
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch):
+    """A moto S3 server with one bucket, ``ckpt``; fsspec finds it via AWS_ENDPOINT_URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host_, port = server.get_host_and_port()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://{host_}:{port}", "AWS_ACCESS_KEY_ID": "k",
+                       "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    import boto3
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    boto3.client("s3").create_bucket(Bucket="ckpt")
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+
+
+def test_storage_round_trip_on_s3(make_ctx, s3) -> None:
+    ctx = make_ctx(["storage.checkpoint"])
+    ctx.checkpoint_root = "s3://ckpt/llama"
+    out = host.check_storage(ctx)
+    assert out.ok and out.message.startswith("s3://ckpt/llama: wrote and read back 1 MiB")
+    ctx.checkpoint_root = "s3://no-such-bucket/llama"
+    missing = host.check_storage(ctx)
+    assert not missing.ok and "bucket does not exist" in missing.message
