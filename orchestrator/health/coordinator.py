@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.health import catalog
-from orchestrator.health.base import CheckResult, Level, describe_failures, failed, passed
+from orchestrator.health.base import (
+    CheckResult,
+    Level,
+    describe_failures,
+    failed,
+    passed,
+    skipped,
+)
 from orchestrator.health.context import SharedFsProbe, build_node_context
 from orchestrator.health.host import is_local, local_path
 from orchestrator.health.network import judge_network
@@ -284,6 +291,14 @@ class HealthCoordinator:
                 measured = report.measured
             elif report is not None and report.error:
                 errors.append(f"{node_id}: {report.error}")
+        lost = [n.node_id for n in nodes if n.state is NodeState.LOST]
+        if measured is None and lost:
+            # A node died mid-test and took the collectives with it: that says nothing of
+            # the others' network, and failing them all would fail the job for one node.
+            note = skipped(f"not judged: node(s) {', '.join(lost)} were lost during the test")
+            return {n: [CheckResult.of(catalog.get(c), n, level, note, 0.0)
+                        for c in ("network.allreduce", "network.pairwise")]
+                    for n in ids if n not in lost}
         verdicts = judge_network(ids, measured, cfg.floors)
         out: dict[str, list[CheckResult]] = {}
         for node_id, by_check in verdicts.items():

@@ -95,7 +95,7 @@ async def _one_child(ctx: NodeContext, python: str, startup_s: float) -> list[Ch
 
 
 def _cut(ctx: NodeContext, name: str, limit: float) -> CheckResult:
-    outcome = failed(f"timed out after {limit:.0f} s; the check was killed",
+    outcome = failed(f"timed out after {limit:g} s; the check was killed",
                      timeout_s=limit)
     return CheckResult.of(catalog.get(name), ctx.node_id, ctx.level, outcome, limit)
 
