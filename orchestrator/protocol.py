@@ -97,7 +97,20 @@ class WorkerEvent(Message):
     ts: float
 
 
-AgentEvent = Annotated[RankExit | RanksStarted | RanksStopped | WorkerEvent,
+class HealthReport(Message):
+    """A node's results for one stage of a health round (see ``orchestrator.health``)."""
+
+    type: Literal["health"] = "health"
+    nonce: str
+    stage: Literal["node", "network"]
+    results: list[dict[str, Any]] = Field(default_factory=list, max_length=1000)
+    measured: dict[str, Any] | None = None  # the network test's table
+    error: str | None = None  # why the network test produced nothing here
+    sent_ts: float  # the agent's wall clock when it sent this (clock-skew check)
+    free_port: int | None = Field(None, ge=1, le=65535)
+
+
+AgentEvent = Annotated[RankExit | RanksStarted | RanksStopped | WorkerEvent | HealthReport,
                        Field(discriminator="type")]
 
 
@@ -114,11 +127,24 @@ class SignalOrder(Message):
     signal: str
 
 
+class HealthOrder(Message):
+    """Run one stage of a health round. ``node``: the node's own checks (``context`` is an
+    ``orchestrator.health.context.NodeContext``); ``network``: ranks of the network test,
+    placed by the assignment's ``node_rank``/``nproc``/``world_size``/``master_*`` fields
+    (``spec`` is the netcheck's spec)."""
+
+    nonce: str = Field(min_length=1, max_length=64)
+    stage: Literal["node", "network"]
+    context: dict[str, Any] | None = None
+    spec: dict[str, Any] | None = None
+    timeout_s: float = Field(gt=0)
+
+
 class Assignment(Message):
     """What one node should be doing now. ``version`` grows with every change."""
 
     version: int = 0
-    action: Literal["idle", "run", "stop", "exit"] = "idle"
+    action: Literal["idle", "run", "stop", "exit", "health"] = "idle"
     generation: int | None = None
     node_rank: int | None = None
     nproc: int = 0
@@ -129,3 +155,4 @@ class Assignment(Message):
     entrypoint: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     signals: list[SignalOrder] = Field(default_factory=list)
+    health: HealthOrder | None = None

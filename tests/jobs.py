@@ -30,9 +30,11 @@ FAST = {
                  "register_s": 60, "launch_s": 60},
     "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
     "metrics": {"port": 0, "host": "127.0.0.1"},
-    # As configs/local.yaml: the tiny model's natural grad-norm swings must not read as
-    # persistent spikes (whose default action is a rollback).
+    # As configs/local.yaml: the tiny model's natural grad-norm swings are not spikes.
     "stability": {"grad_spike": {"mode": "relative", "rel_margin": 1.0}},
+    # Quick checks before launch: the full level's network test (torch ranks) would add
+    # seconds to every job; tests/integration/test_health.py runs it.
+    "health": {"preflight": "quick"},
 }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
+from orchestrator.agent.health import HealthWork
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.ranks import Rank, RankSet
 from orchestrator.logs import get_logger
@@ -66,6 +67,7 @@ class Agent:
         self._done_signals: set[int] = set()
         self._last_contact = time.monotonic()
         self._free_port = free_port()
+        self.health = HealthWork(node_id, run_dir, self._rank_env, self._queue, self._renew_port)
 
     # -- main --------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -78,6 +80,7 @@ class Agent:
                 self._register_loop(), self._heartbeat_loop(), self._assignment_loop(),
                 self._event_loop(), self._orphan_watch())]
             await self._exit.wait()
+            await self.health.close()
             if self.ranks is not None and self.ranks.alive:
                 await self.ranks.stop(grace=10.0)
             await self._flush_events(timeout=3.0)
@@ -194,6 +197,12 @@ class Agent:
                     self.log.warning("signal order", rank=order.rank, signal=order.signal,
                                      sent=sent)
         current = self.ranks.generation if self.ranks is not None else None
+        if a.action == "health" and a.health is not None:
+            if self.ranks is not None and self.ranks.alive:
+                await self._stop_ranks(report=True, generation=current)
+            self.health.order(a)
+            return
+        self.health.cancel()
         if a.action == "run" and a.generation != current:
             await self._stop_ranks(report=False)
             await self._start_ranks(a)
@@ -205,14 +214,22 @@ class Agent:
             await self._stop_ranks(report=True, generation=current)
             self._exit.set()
 
-    async def _start_ranks(self, a: Assignment) -> None:
-        self.hub.reset()
+    def _rank_env(self) -> dict[str, str]:
         env = {**os.environ, "ORCH_AGENT_SOCKET": self.sock.path,
                "ORCH_CONFIG": str(self.config_path), "ORCH_NODE_ID": self.node_id,
                "ORCH_HEARTBEAT_INTERVAL": str(self.heartbeat_s),
                "ORCH_RUN_DIR": str(self.run_dir)}
         env.pop("ORCH_TOKEN", None)  # ranks never see the control API token
-        self.ranks = RankSet(a, env, self.run_dir / "logs", self._on_rank_exit)
+        return env
+
+    def _renew_port(self) -> int:
+        """A fresh rendezvous port after the network test used the last one."""
+        self._free_port = free_port()
+        return self._free_port
+
+    async def _start_ranks(self, a: Assignment) -> None:
+        self.hub.reset()
+        self.ranks = RankSet(a, self._rank_env(), self.run_dir / "logs", self._on_rank_exit)
         infos = await self.ranks.start()
         self.log.info("ranks started", generation=a.generation,
                       ranks=[(i.rank, i.pid) for i in infos])

@@ -80,6 +80,29 @@ def validate(config: Annotated[Path, typer.Argument(help="Config YAML to check."
     raise typer.Exit(validate_config(config, overrides or []))
 
 
+@app.command()
+def health(
+    config: ConfigArg = None,
+    overrides: SetOpt = None,
+    level: Annotated[str | None, typer.Option(
+        help="quick or full (default: the config's health.preflight).",
+        show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    run_dir: Annotated[Path | None, typer.Option(
+        help="Run directory for the journal and logs (default: runs/health-<job>-<time>).")]
+    = None,
+) -> None:
+    """Run the cluster health checks now: start agents, check every node, print a table;
+    exit 1 if a fatal check failed."""
+    from orchestrator.cli.health import run_health
+    from orchestrator.health.base import Level
+
+    if level not in (None, "quick", "full"):
+        raise typer.BadParameter("must be quick or full", param_hint="--level")
+    raise typer.Exit(run_health(config, overrides or [], Level(level) if level else None,
+                                json_out, run_dir))
+
+
 @app.command(hidden=True)
 def agent(
     head: Annotated[str, typer.Option(help="Supervisor URL.")],

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from orchestrator.health.config import HealthConfig
 from stability.config import StabilityConfig
 from trainer.config import CheckpointConfig, FieldError, TrainerConfig
 
@@ -251,6 +252,7 @@ class Config(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
+from orchestrator.health.base import Level
+from orchestrator.health.coordinator import HealthCoordinator
 from orchestrator.journal import Journal, read_events
 from orchestrator.jobview import JobView
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
@@ -30,7 +32,7 @@ from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.hangs import collective_timeout_s
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
-from orchestrator.supervisor.placement import Placement, place
+from orchestrator.supervisor.placement import Placement, _id_key, place
 from orchestrator.supervisor.policy import GenerationFailed, OperatorStop, RestartPolicy
 from orchestrator.supervisor.stability import StabilityHook
 
@@ -40,6 +42,10 @@ _TICK_S = 0.2
 
 class JobFailed(Exception):
     """The job cannot go on (not enough nodes, budget spent): FAILED with this reason."""
+
+    def __init__(self, reason: str, cause: Cause | None = None) -> None:
+        super().__init__(reason)
+        self.cause = cause
 
 
 @dataclass
@@ -53,8 +59,10 @@ class Outcome:
 class Supervisor:
     def __init__(self, cfg: Config, run: RunDir, *, clock: Clock = SYSTEM_CLOCK,
                  registry: CollectorRegistry | None = None,
-                 launcher: Launcher | None = None, resumed: bool = False) -> None:
+                 launcher: Launcher | None = None, resumed: bool = False,
+                 health_only: Level | None = None) -> None:
         self.cfg = cfg
+        self.health_only = health_only  # `orchestrator health`: stop after HEALTH_CHECK
         self.rundir = run
         self.clock = clock
         self.resumed = resumed
@@ -69,6 +77,7 @@ class Supervisor:
         self.launcher = launcher or build_launcher(cfg, self.record)
         self.intake = Intake(self)
         self.stability = StabilityHook(self)
+        self.health = HealthCoordinator(self)
         self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
         self.url = ""
         self.stop_requested = asyncio.Event()
@@ -186,7 +195,7 @@ class Supervisor:
         except OperatorStop:
             self.transition(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
         except JobFailed as exc:
-            self.transition(JobState.FAILED, reason=str(exc))
+            self.transition(JobState.FAILED, cause=exc.cause, reason=str(exc))
 
     def _roll_back_if_pending(self, failed: GenerationFailed) -> None:
         try:
@@ -215,6 +224,9 @@ class Supervisor:
     async def _run_generation(self) -> None:
         if self.view.state is not JobState.HEALTH_CHECK:
             self.transition(JobState.HEALTH_CHECK)
+        if self.health_only is not None:
+            await self._check_health_only(self.health_only)
+            return
         placement = await self._select_nodes()
         self.transition(JobState.LAUNCHING)
         generation = self.view.generation + 1
@@ -322,14 +334,20 @@ class Supervisor:
                          replacement=spares[0].node_id)
 
     async def _select_nodes(self) -> Placement:
-        """HEALTH_CHECK: wait for enough live nodes, place node ranks and spares."""
+        """HEALTH_CHECK: wait for enough live nodes, check them (excluding the bad ones),
+        place node ranks and spares."""
         needed, ppn = self.cfg.cluster.nodes, self.cfg.cluster.procs_per_node
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.timeouts.register_s
         replaced: set[str] = set()
+        level, checked = self.health.level_now(), set[str]()
         while True:
             self.intake.mark_silent_nodes_lost()
             placement = place(list(self.intake.nodes.nodes.values()), needed, ppn)
+            # Check once enough nodes are here; newcomers (spares, replacements) on arrival.
+            if level is not None and (placement.complete or self.health.excluded) and \
+                    await self.health.check_new(level, checked):
+                continue
             if placement.complete:
                 break
             for node in self.intake.nodes.with_state(NodeState.LOST):
@@ -337,7 +355,16 @@ class Supervisor:
                     replaced.add(node.node_id)
                     if await self.launcher.replace(self.agent_spec(), node.node_id):
                         self.log.info("restarting lost node's agent", node=node.node_id)
-            if loop.time() > deadline:
+            # Before giving up on health grounds, let nodes still starting or being replaced
+            # arrive (until the registration deadline): they may be the spares needed.
+            more_coming = loop.time() <= deadline and (
+                len(self.intake.nodes.nodes) < self.launcher.wanted_nodes
+                or bool(self.intake.nodes.with_state(NodeState.LOST)))
+            if level is not None and self.health.excluded and not more_coming:
+                if self.cfg.health.on_insufficient == "fail":
+                    raise JobFailed(self.health.insufficient(needed), Cause.HEALTH_CHECK)
+                await self.health.recheck_excluded(level, checked)
+            elif loop.time() > deadline:
                 have = needed - placement.missing
                 raise JobFailed(f"only {have} of {needed} nodes are available after "
                                 f"{self.cfg.timeouts.register_s:.0f} s")
@@ -346,6 +373,24 @@ class Supervisor:
             await asyncio.sleep(_TICK_S)
         await self.intake.apply_placement(placement)
         return placement
+
+    async def _check_health_only(self, level: Level) -> None:
+        """``orchestrator health``: one round over every node that registers, then stop."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.timeouts.register_s
+        nodes = self.intake.nodes.nodes
+        while len(nodes) < self.launcher.wanted_nodes and loop.time() < deadline:
+            if self.stop_requested.is_set():
+                raise OperatorStop()
+            await asyncio.sleep(_TICK_S)
+        usable = sorted((n for n in nodes.values() if n.usable),
+                        key=lambda n: _id_key(n.node_id))
+        results = await self.health.run_round(usable, level) if usable else {}
+        fatal = sorted({n for n, rs in results.items() if any(r.fatal_failure for r in rs)})
+        self.transition(JobState.STOPPED, cause=Cause.OPERATOR, reason=(
+            f"health check only: {len(usable)} of {self.launcher.wanted_nodes} node(s) "
+            f"checked, {len(fatal)} with a fatal failure"
+            + (f" ({', '.join(fatal)})" if fatal else "")))
 
     async def _launch(self, generation: int, placement: Placement) -> None:
         nodes = self.intake.nodes

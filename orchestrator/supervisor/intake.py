@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.protocol import (
     Assignment,
     EventBatch,
+    HealthReport,
     Heartbeat,
     RankExit,
     RanksStarted,
@@ -104,6 +105,9 @@ class Intake:
         if batch.node_id not in self.nodes.nodes:
             raise UnknownNode(batch.node_id)
         for event in batch.events:
+            if isinstance(event, HealthReport):  # the health round waits on these itself
+                self.sup.health.on_report(batch.node_id, event, self.sup.clock.time())
+                continue
             kind = {RankExit: "exit", RanksStarted: "started", RanksStopped: "stopped",
                     WorkerEvent: "worker"}[type(event)]
             self.queue.put_nowait(Observation(kind, batch.node_id, event))

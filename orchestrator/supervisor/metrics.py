@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from orchestrator import __version__
 from orchestrator.books import BADPUT_CATEGORIES
+from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import Cause, JobState, NodeState
 
 FAILURE_CAUSES = tuple(c.value for c in Cause if c not in (Cause.COMPLETED,))
@@ -126,6 +127,8 @@ class SupervisorMetrics:
             self.badput.labels(job, cat)
         for kind in STABILITY_KINDS:
             self.stability_events.labels(job, kind)
+        for check in CHECK_NAMES:
+            self.health_failures.labels(job, check)
         for metric in (self.productive, self.spikes, self.rollbacks, self.steps_done,
                        self.tokens_done, self.nonfinite):
             metric.labels(job)

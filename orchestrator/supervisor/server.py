@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 # An agent's long-poll waits at most this long for a new assignment, then asks again.
 _POLL_MAX_S = 30.0
+# Open requests get this long to finish when the server stops.
+_SHUTDOWN_GRACE_S = 2.0
 # Bodies beyond this are refused (a heartbeat of 100k records is ~10 MB).
 _MAX_BODY = 32 * 2**20
 
@@ -43,7 +45,10 @@ class ApiServer:
         self.app = app
 
     async def start(self, host: str, port: int) -> int:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # At shutdown, agents' long-polls (up to _POLL_MAX_S) would hold cleanup() that long;
+        # every agent has been told to exit by then, so they are cut after a short grace.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=_SHUTDOWN_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()

@@ -34,7 +34,6 @@ def exported_names() -> set[str]:
     """Every sample name on a supervisor's /metrics (_bucket, _sum, _count, _total, ...)."""
     metrics = SupervisorMetrics(CollectorRegistry(), "demo")
     metrics.set_info("tiny", "cpu")
-    metrics.health_failures.labels("demo", "gpu")  # created lazily, per failing check
     text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 

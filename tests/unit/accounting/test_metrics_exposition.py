@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import __version__
 from orchestrator.books import BADPUT_CATEGORIES
+from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import JobState, NodeState
 from orchestrator.supervisor.metrics import FAILURE_CAUSES, STABILITY_KINDS, SupervisorMetrics
 
@@ -45,9 +46,8 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_last_checkpoint_timestamp_seconds": ("gauge", {}),
     "orchestrator_last_step_timestamp_seconds": ("gauge", {}),
     "orchestrator_job_created_timestamp_seconds": ("gauge", {}),
-    # Labelled by the health check that failed: a series appears with its first failure
-    # (the checks are the health-check module's, not a set this module can list).
-    "orchestrator_health_check_failures": ("counter", {"check": ()}),
+    # One series per check of the health-check catalog.
+    "orchestrator_health_check_failures": ("counter", {"check": CHECK_NAMES}),
 }
 
 

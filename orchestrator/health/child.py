@@ -1,0 +1,68 @@
+"""The check process: ``python -m orchestrator.health.child`` runs a node's checks in order.
+
+It reads a ``NodeContext`` (JSON) on stdin and writes one JSON line per event on stdout:
+``{"start": name}`` before a check and ``{"result": {...}}`` after it. The parent
+(``runner.run_node_checks``) enforces each check's timeout by killing this process, so a
+check stuck in a driver call, a hung NFS mount or a wedged ``neuron-ls`` costs its timeout
+and nothing more.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from typing import IO, Any
+
+from orchestrator.health import catalog
+from orchestrator.health.base import CheckResult, Outcome, failed
+from orchestrator.health.context import NodeContext
+
+
+def resolve(fn: str) -> Any:
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_one(ctx: NodeContext, name: str) -> CheckResult:
+    """Run one check in this process; an exception is the check's failure, not ours."""
+    check = catalog.get(name)
+    start = time.perf_counter()
+    if name in ctx.chaos_hang:
+        while True:  # health.chaos.hang: stand for a check stuck in a driver call
+            time.sleep(3600)
+    try:
+        if check.fn is None:
+            raise RuntimeError(f"{name} is not a node check")
+        outcome: Outcome = resolve(check.fn)(ctx)
+    except Exception as exc:  # noqa: BLE001 - any error of a check is its result
+        outcome = failed(f"{type(exc).__name__}: {exc}")
+    if name in ctx.chaos_fail:
+        outcome = failed(f"forced to fail by health.chaos.fail (the check said: "
+                         f"{outcome.message})", **outcome.details)
+    return CheckResult.of(check, ctx.node_id, ctx.level, outcome,
+                          time.perf_counter() - start)
+
+
+def _emit(out: IO[str], obj: dict[str, Any]) -> None:
+    out.write(json.dumps(obj, default=str) + "\n")
+    out.flush()
+
+
+def main() -> int:
+    ctx = NodeContext.model_validate_json(sys.stdin.read())
+    # The protocol gets its own copy of stdout; fd 1 then points at stderr, so whatever a
+    # check or a library prints (even from C) cannot garble the result lines.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for name in ctx.checks:
+        _emit(out, {"start": name})
+        _emit(out, {"result": run_one(ctx, name).model_dump(mode="json")})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
