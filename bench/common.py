@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -13,6 +14,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def commit() -> str:
+    """The commit measured: git's, or ORCH_BENCH_COMMIT on a machine given a copy of the
+    tree without its .git (the lent GPU)."""
+    if os.environ.get("ORCH_BENCH_COMMIT"):
+        return os.environ["ORCH_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=RESULTS.parent, timeout=10)
@@ -34,8 +39,6 @@ def cpu_name() -> str:
 
 
 def header(device: str | None = None) -> dict[str, Any]:
-    import os
-
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit(),

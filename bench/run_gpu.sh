@@ -2,7 +2,8 @@
 # Runs the GPU benchmarks and tests on a lent GPU machine (no network there: the Python
 # packages the GPU image lacks travel as wheels in .whl/). Part A: GPU tests + throughput/MFU.
 # B: checkpoint stall. C: time to recover under `orchestrator up`. D: accelerator health checks.
-#   bash bench/run_gpu.sh A|B|C|D      (results under bench/results/, copied to $OUT when set)
+#   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D
+# (results under bench/results/, copied to $OUT when set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-A}
@@ -14,6 +15,8 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+# The copy of the tree on the GPU machine has no .git: say which commit is measured.
+[ -f .bench-commit ] && export ORCH_BENCH_COMMIT=$(cat .bench-commit)
 # NVLink multicast stays off on shared hosts (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
