@@ -155,4 +155,6 @@ class Assignment(Message):
     entrypoint: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     signals: list[SignalOrder] = Field(default_factory=list)
+    # Modules a spare interpreter imports ahead of the next start (empty: no spares).
+    preload: list[str] = Field(default_factory=list)
     health: HealthOrder | None = None

@@ -38,7 +38,11 @@ def process_start_time() -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    startup = {"process_start": process_start_time(), "main": time.time()}
+    import os
+
+    handoff = os.environ.get("ORCH_WARM_HANDOFF_TS")  # started in a pre-imported spare
+    startup = {"process_start": float(handoff) if handoff else process_start_time(),
+               "main": time.time(), "warm": bool(handoff)}
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     parser.add_argument("--config", help="Job YAML (default: ORCH_CONFIG from the agent).")
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreach
 from orchestrator.agent.health import HealthWork
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.ranks import Rank, RankSet
+from orchestrator.agent.warm import WarmPool
 from orchestrator.logs import get_logger
 from orchestrator.protocol import (
     Assignment,
@@ -57,6 +58,8 @@ class Agent:
         self.hub = LocalHub(on_event=self._on_worker_event)
         self.sock = LocalSocketServer(self.hub)
         self.ranks: RankSet | None = None
+        self.warm = WarmPool()
+        self._warm_task: asyncio.Task | None = None
         self.version = 0
         self.heartbeat_s = 0.5
         self.config_path = run_dir / "agents" / node_id / "config.json"
@@ -81,6 +84,9 @@ class Agent:
                 self._event_loop(), self._orphan_watch())]
             await self._exit.wait()
             await self.health.close()
+            if self._warm_task is not None:
+                self._warm_task.cancel()
+            await self.warm.retire()
             if self.ranks is not None and self.ranks.alive:
                 await self.ranks.stop(grace=10.0)
             await self._flush_events(timeout=3.0)
@@ -230,10 +236,29 @@ class Agent:
     async def _start_ranks(self, a: Assignment) -> None:
         self.hub.reset()
         self.ranks = RankSet(a, self._rank_env(), self.run_dir / "logs", self._on_rank_exit)
-        infos = await self.ranks.start()
-        self.log.info("ranks started", generation=a.generation,
+        infos = await self.ranks.start(self.warm)
+        self.log.info("ranks started", generation=a.generation, warm=self.ranks.warm_started,
                       ranks=[(i.rank, i.pid) for i in infos])
         self._queue(RanksStarted(generation=a.generation or 0, ranks=infos, ts=time.time()))
+        if a.preload:
+            if self._warm_task is not None:
+                self._warm_task.cancel()
+            self._warm_task = asyncio.create_task(self._prepare_spares(a))
+
+    async def _prepare_spares(self, a: Assignment) -> None:
+        """Once this generation's ranks train, import the next one's modules in spares."""
+        from orchestrator.agent.ranks import die_with_parent
+
+        while not any((b.step or 0) >= 1 for b in self.hub.beats.values()):
+            if self.ranks is None or self.ranks.generation != a.generation \
+                    or not self.ranks.alive:
+                return
+            await asyncio.sleep(0.5)
+        env = {k: v for k, v in os.environ.items() if k != "ORCH_TOKEN"}
+        try:
+            await self.warm.fill(a.entrypoint[0], a.preload, a.nproc, env, die_with_parent)
+        except OSError as exc:  # spares are an optimisation: never a failure
+            self.log.warning("could not start warm spares", error=str(exc))
 
     async def _stop_ranks(self, report: bool, generation: int | None = None) -> None:
         if self.ranks is not None and self.ranks.alive:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.agent.warm import WarmPool
 from orchestrator.protocol import Assignment, RankInfo
 
 _PR_SET_PDEATHSIG = 1
@@ -27,6 +28,17 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(_PR_SET_PDEATHSIG, signal_mod.SIGKILL)
     except OSError:
         pass
+
+
+def warm_module(entrypoint: list[str]) -> str | None:
+    """``python -m MODULE ...`` entrypoints can start in a spare; others cannot."""
+    if len(entrypoint) >= 3 and entrypoint[1] == "-m":
+        return entrypoint[2]
+    return None
+
+
+def die_with_parent() -> None:
+    _die_with_parent()
 
 
 def signal_name(returncode: int) -> str | None:
@@ -89,6 +101,7 @@ class RankSet:
         self.ranks: list[Rank] = []
         self._watchers: list[asyncio.Task] = []
         self.stopping = False
+        self.warm_started = False
 
     def _env(self, local_rank: int) -> dict[str, str]:
         a = self.assignment
@@ -105,20 +118,34 @@ class RankSet:
         })
         return env
 
-    async def start(self) -> list[RankInfo]:
+    async def start(self, warm: WarmPool | None = None) -> list[RankInfo]:
+        """Start every local rank: in pre-imported spares from ``warm`` when it holds one
+        per rank for this entrypoint, else as fresh processes."""
         a = self.assignment
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        module = warm_module(a.entrypoint)
+        spares = None
+        if warm is not None and module is not None and a.preload:
+            spares = warm.take(a.entrypoint[0], a.preload, a.nproc)
+        self.warm_started = spares is not None
         for local_rank in range(a.nproc):
             rank = a.rank_offset + local_rank
             log_path = self._log_dir / f"rank-{rank:05d}.log"
             with open(log_path, "ab") as log:
                 log.write(f"==== generation {a.generation} rank {rank} started "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
+                          f"{' (warm spare)' if spares else ''} ====\n".encode())
                 offset = log.tell()
-                proc = await asyncio.create_subprocess_exec(
-                    *a.entrypoint, env=self._env(local_rank), stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=_die_with_parent)
+                if spares:
+                    proc = spares[local_rank]
+                    await WarmPool.hand_off(proc, module, a.entrypoint[3:],
+                                            self._env(local_rank), str(log_path))
+                else:
+                    proc = await asyncio.create_subprocess_exec(
+                        *a.entrypoint, env=self._env(local_rank),
+                        stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                        stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                        preexec_fn=_die_with_parent)
             r = Rank(rank, local_rank, proc, log_path, offset, time.time(), a.generation)
             self.ranks.append(r)
             self._watchers.append(asyncio.create_task(self._watch(r)))

@@ -39,6 +39,13 @@ class JobConfig(Section):
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables for every rank."
     )
+    warm_start: bool = Field(
+        True,
+        description=(
+            "Keep one pre-imported spare interpreter per rank on every node while training, "
+            "so a restart skips importing torch and the trainer (built-in trainer only)."
+        ),
+    )
     run_root: str = Field("runs", description="Where `up` creates run directories.")
 
     @field_validator("name")

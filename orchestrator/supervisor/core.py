@@ -406,7 +406,7 @@ class Supervisor:
                 "nproc": ppn, "world_size": self.cfg.cluster.world_size,
                 "rank_offset": node_rank * ppn, "master_addr": master.addr,
                 "master_port": master.free_port, "entrypoint": self._entrypoint(),
-                "env": env, "signals": []}
+                "env": env, "signals": [], "preload": self._preload()}
         after = self.view.failures[-1]["cause"] if self.view.failures else None
         self.intake.begin_generation(generation, self.cfg.cluster.world_size)
         self.record("generation_launched", generation=generation,
@@ -421,6 +421,13 @@ class Supervisor:
             await nodes.assign(node_id, action="idle", generation=None)
         for node in nodes.with_state(NodeState.EXCLUDED):
             await nodes.assign(node.node_id, action="idle", generation=None)
+
+    def _preload(self) -> list[str]:
+        """What a spare interpreter imports ahead of a restart (the built-in trainer's
+        modules; a user's own script gets fresh processes)."""
+        if self.cfg.job.entrypoint or not self.cfg.job.warm_start:
+            return []
+        return ["trainer.main", "trainer.build", "trainer.loop"]
 
     def _entrypoint(self) -> list[str]:
         if self.cfg.job.entrypoint:

@@ -1,0 +1,60 @@
+"""A pre-imported spare interpreter: imports the worker's heavy modules ahead of time, then
+waits to be told what to run.
+
+The node agent keeps one of these per local rank while a generation trains. When the next
+generation starts (after a failure), the agent hands each spare its rank's environment and
+argv on stdin instead of starting a fresh interpreter, so a restart does not pay for
+importing torch again (6.4 s of a 30 s recovery on an H100, 5.5 s of 8.5 s on a CPU).
+
+    python -u -m orchestrator.worker.warm --preload trainer.main
+
+Protocol: one JSON line on stdin, ``{"env": {...}, "argv": [...], "module": "trainer",
+"log": "/path/rank-00001.log"}``; the spare points its stdout and stderr at the log, takes
+the environment as its own and runs the module as ``__main__``. End of input without a line
+(the agent went away or retired it) exits quietly. Nothing here touches a GPU before the
+hand-off, so CUDA_VISIBLE_DEVICES and friends still apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import runpy
+import sys
+import time
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.worker.warm")
+    parser.add_argument("--preload", action="append", default=[],
+                        help="module to import ahead of time (repeatable)")
+    args = parser.parse_args()
+    for name in args.preload:
+        importlib.import_module(name)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    spec = json.loads(line)
+    handoff = time.time()
+    log = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    # The start-up breakdown counts from here, not from the spare's own start.
+    os.environ["ORCH_WARM_HANDOFF_TS"] = repr(handoff)
+    if spec.get("cwd"):
+        os.chdir(spec["cwd"])
+    sys.argv = [spec["module"], *spec.get("argv", [])]
+    runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
