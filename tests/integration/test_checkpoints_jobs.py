@@ -161,8 +161,11 @@ def test_disk_full_fails_the_save_clearly_keeps_the_previous_and_follows_the_pol
     if not _mount_tmpfs(small, "2560k"):
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN); CI runs as root")
     try:
+        # The disk floor is lowered so the tiny tmpfs passes the pre-launch health check:
+        # this test is about a save that runs out of space, not a node refused before it.
         cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer={"steps": 30},
                            checkpoint={"url": str(small), "max_save_failures": 1},
+                           health={"floors": {"disk_gib": 0}},
                            restart={"max_restarts_without_progress": 1,
                                     "backoff_initial_s": 0.1})
         result = up(cfg, tmp_path / "run", timeout=240)
@@ -170,16 +173,20 @@ def test_disk_full_fails_the_save_clearly_keeps_the_previous_and_follows_the_pol
         st = status(tmp_path / "run")
         assert st["state"] == "FAILED"
         events = journal(tmp_path / "run")
-        # Every generation: step 10 commits (or is resumed), the save of 20 fails, the worker
-        # exits (max_save_failures 1), until the restart policy gives up on no progress.
+        # Each generation: step 10 commits (or is resumed), the save of 20 fails, the worker
+        # exits (max_save_failures 1). Then either the restart policy gives up (no committed
+        # progress) or, first, the after-failure health check finds the checkpoint storage
+        # full on every node and fails the job naming them: both are the policy at work.
         generations = len(st["failures"])
-        assert generations >= 2 and {f["cause"] for f in st["failures"]} == {"worker_exit"}
+        assert generations >= 1 and {f["cause"] for f in st["failures"]} == {"worker_exit"}
         failed = [e for e in events if e["kind"] == "checkpoint_failed"]
         assert [e["step"] for e in failed] == [20] * generations
         assert all("disk full" in e["error"] and e["previous_step"] == 10 for e in failed)
         resumed = [e["step"] for e in events if e["kind"] == "resumed"]
         assert resumed == [10] * (generations - 1)
-        assert "made no committed progress" in st["failed_reason"]
+        reason = st["failed_reason"]
+        assert "made no committed progress" in reason or (
+            "storage.checkpoint" in reason and "No space left" in reason), reason
         root = st["root_cause"]
         assert root["rank"] == 0 and root["exit_code"] == 1
         assert any("CheckpointSaveError" in line for line in root["log_tail"])

@@ -85,7 +85,10 @@ def test_status_shows_the_stability_picture(rollback_run: Path) -> None:
     stab = st["stability"]
     assert stab["step"] == STEPS and stab["last_grad_norm"] > 0 and stab["running_mean"] > 0
     assert stab["last_param_norm"] > 0 and stab["growth_ratio"] >= 1
-    assert stab["events"]["grad_spike"] == 1 and stab["events"]["grad_spike_end"] == 1
+    assert stab["events"]["grad_spike"] == 1
+    # The spike's end (step 26 of the abandoned lineage) is seen only if that record arrives
+    # before the stop; the restored lineage has no spike to end.
+    assert stab["events"].get("grad_spike_end", 0) <= 1
     [rb] = stab["rollbacks"]
     assert rb["event"] == "grad_spike" and rb["restore_step"] == 20
     assert stab["skip_windows"] == [[POISON, POISON + SKIP]] and stab["lr_scale"] == 1.0
