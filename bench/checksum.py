@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import hashlib
 import json
 import os
-import platform
-import subprocess
 import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+
+from common import header
 
 CHUNK = 8 * 2**20
 
@@ -82,14 +81,6 @@ def _best(fn: Callable[[], object], rounds: int) -> float:
     return best
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,18 +103,14 @@ def main() -> None:
               f"{results[name]['gb_s_2_threads']:7.2f} GB/s on 2 threads", flush=True)
     pool.shutdown()
     files = _through_layout(data[0], args.rounds)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    doc = {"bench": "checksum", "date": now.isoformat(timespec="seconds"),
-           "commit": _git_commit(), "device": {"cpu": platform.processor() or _cpu_model(),
-                                               "cores": os.cpu_count(),
-                                               "python": platform.python_version()},
+    doc = {"bench": "checksum", **header(),
            "buffer_mib": args.mib, "chunk_mib": CHUNK // 2**20, "rounds": args.rounds,
            "results": results,
            "file_end_to_end_gb_s": files,
            "chosen": "xxh3_64"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"checksum-{now:%Y%m%d}.json"
+    path = out / f"checksum-{doc['date'][:10].replace('-', '')}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}")
 
@@ -147,16 +134,6 @@ def _through_layout(data: bytes, rounds: int) -> dict[str, float]:
             out[name] = round(len(data) / secs / 1e9, 3)
             print(f"file via layout {name:9s} {out[name]:7.2f} GB/s", flush=True)
     return out
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 if __name__ == "__main__":

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data.prepare import INDEX_NAME, INDEX_VERSION, ensure_dataset, local_path, read_index
-from trainer.tokenizer import load_tokenizer
+from trainer.data.prepare import INDEX_NAME, INDEX_VERSION, ensure_dataset, local_path
 
 __all__ = ["TokenShards", "Batch", "ResumableLoader", "ensure_dataset"]
 
