@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import subprocess
@@ -48,7 +49,8 @@ def _new_run_dir(cfg: Config, run_dir: Path | None) -> RunDir:
     if run_dir is None:
         return RunDir.create(cfg.job.run_root, cfg.job.name)
     run_dir = run_dir.expanduser().resolve()
-    if (run_dir / "events.jsonl").exists():
+    journal = run_dir / "events.jsonl"
+    if journal.exists() and journal.stat().st_size > 0:
         raise FileNotFoundError(f"{run_dir} already holds a job; use --resume {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return RunDir(run_dir)
@@ -93,7 +95,15 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool) -> int:
     log.info("starting job", job=cfg.job.name, run_dir=str(run.root), resumed=resumed,
              nodes=cfg.cluster.nodes, procs_per_node=cfg.cluster.procs_per_node,
              spares=cfg.cluster.spares, launcher=cfg.launcher.kind)
-    state = asyncio.run(_supervise(cfg, run, resumed))
+    try:
+        state = asyncio.run(_supervise(cfg, run, resumed))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        console.print(f"[red]error[/red] cannot listen on {cfg.metrics.host}:"
+                      f"{cfg.metrics.port}: the port is in use (set metrics.port, or 0 for a "
+                      "free one)")
+        return 2
     from orchestrator.cli.views import print_summary
 
     print_summary(run)
