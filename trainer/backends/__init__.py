@@ -16,7 +16,7 @@ import importlib
 
 from trainer.backends.base import Backend, StepOutcome, Stepper
 
-__all__ = ["Backend", "StepOutcome", "Stepper", "backend_for", "MODULES"]
+__all__ = ["MODULES", "Backend", "StepOutcome", "Stepper", "backend_for"]
 
 # strategy -> (module, class)
 MODULES = {

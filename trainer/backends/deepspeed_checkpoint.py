@@ -34,11 +34,12 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.checkpoint import layout
-from trainer.checkpoint.checkpointer import Checkpointer, explain_failure
+from trainer.checkpoint.checkpointer import explain_failure
+from trainer.checkpoint.client import RNG, ClientStateCheckpointer
 from trainer.checkpoint.store import Choice
 
 ENGINE = "engine"  # checkpoint-state key of the engine (saved by DeepSpeed itself)
-RNG = "rng"  # checkpoint-state key of this rank's RngState; saved as a list over ranks
+__all__ = ["ENGINE", "RNG", "DeepSpeedCheckpointer", "EngineState"]
 
 
 class EngineState:
@@ -48,8 +49,10 @@ class EngineState:
         self.engine = engine
 
 
-class DeepSpeedCheckpointer(Checkpointer):
+class DeepSpeedCheckpointer(ClientStateCheckpointer):
     """``Checkpointer`` whose writer and reader are DeepSpeed's; the commit is ours."""
+
+    OWN = (ENGINE,)
 
     def __init__(self, cfg: Any, store: Any, **kwargs: Any) -> None:
         super().__init__(cfg, store, **kwargs)
@@ -59,19 +62,6 @@ class DeepSpeedCheckpointer(Checkpointer):
                 f"{store.primary.root}: use a filesystem checkpoint.url, or checkpoint."
                 f"local_url with the s3:// url uploaded in the background")
         self.root_path = layout.filesystem(store.primary.root)[1]
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.group is None:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def _client_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        client = {key: obj.state_dict() for key, obj in state.items()
-                  if key not in (ENGINE, RNG)}
-        client[RNG] = [s["blob"] for s in self._gather(state[RNG].state_dict())]
-        return client
 
     @staticmethod
     def _visible(step_path: str) -> list[str]:
@@ -118,16 +108,6 @@ class DeepSpeedCheckpointer(Checkpointer):
         root, tag = os.path.split(step_path.rstrip("/"))
         path, client = state[ENGINE].engine.load_checkpoint(
             root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
-        if path is None or client is None:
+        if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint to load in {found.url}")
-        for key, obj in state.items():
-            if key in (ENGINE, RNG):
-                continue
-            if key not in client:
-                raise KeyError(f"{found.url}: the checkpoint's client state has no {key!r}")
-            obj.load_state_dict(client[key])
-        rngs = client[RNG]
-        if len(rngs) != self.world_size:
-            raise ValueError(f"{found.url} holds the RNG states of {len(rngs)} ranks, this "
-                             f"run has {self.world_size}: resume with the same world size")
-        state[RNG].load_state_dict({"blob": rngs[self.rank]})
+        self._apply_client_state(state, client, found.url)
