@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import header, write  # noqa: E402
+from common import header, write
 
 STRATEGIES = [("ddp", {"strategy": "ddp"}), ("fsdp2", {"strategy": "fsdp2"})] + [
     (f"deepspeed-zero{z}", {"strategy": "deepspeed", "zero_stage": z}) for z in range(4)]
@@ -53,7 +53,7 @@ def run(cfg: dict[str, Any], tmp: Path, skip: int) -> dict[str, Any]:
     (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
     out = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(tmp / "job.yaml"),
                           "--run-dir", str(tmp / "run")], capture_output=True, text=True,
-                         timeout=900)
+                         timeout=900, check=False)
     if out.returncode:
         raise RuntimeError(out.stdout[-3000:])
     records = [json.loads(line) for line in (tmp / "run" / "steps.jsonl").read_text().splitlines()]

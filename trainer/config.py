@@ -188,7 +188,9 @@ class ParallelismConfig(_Section):
         "none", description="Recompute activations: none, selective (every other block), full."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
-    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    zero_stage: int = Field(
+        1, ge=0, le=3, description="ZeRO stage: deepspeed 0-3; neuron 0 or 1 (NxD ZeRO-1)."
+    )
     tensor_parallel: int = Field(
         1, ge=1, description="Tensor-parallel degree (neuron strategy: neuronx-distributed TP)."
     )
@@ -363,7 +365,8 @@ class CheckpointConfig(_Section):
                              "exits with an error and the restart policy takes over."
     )
     async_save: bool = Field(
-        True, description="DCP async_save: the step waits only for staging."
+        True, description="Asynchronous saves: the step waits only for staging (DCP, NxD). "
+                          "DeepSpeed's saves are always synchronous."
     )
     verify_on_load: bool = Field(
         True, description="Verify the manifest's checksums before loading."

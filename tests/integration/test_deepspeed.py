@@ -142,3 +142,28 @@ def test_zero3_runs_to_completion_and_exports(tmp_path: Path, dataset_dir: Path,
     _, weights = read_hf_dir(tmp_path / "hf")
     norm = torch.stack([w.float().norm() for w in weights.values()]).norm().item()
     assert norm == pytest.approx(records[-1]["param_norm"], rel=1e-5)
+
+
+def test_a_rank_failing_to_save_releases_the_others(tmp_path: Path,
+                                                    deepspeed_ops: None) -> None:
+    """Rank 1's write fails (ENOSPC) while rank 0's succeeds and waits in DeepSpeed's closing
+    barrier: the failing rank meets it there, both learn the outcome, nothing is committed,
+    and the next save commits."""
+    script = Path(__file__).parent / "scripts" / "deepspeed_save_failure.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        capture_output=True, text=True, timeout=180, check=False,
+        env={**env(), "CKPT_ROOT": str(tmp_path / "ckpt"), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    results = {r["rank"]: r for r in (json.loads(line) for line in out.stdout.splitlines()
+                                      if line.startswith("{"))}
+    assert sorted(results) == [0, 1]
+    failed = [e for e in results[0]["events"] if e["event"] == "checkpoint_failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 1
+    assert "rank 1: disk full (ENOSPC)" in failed[0]["error"]
+    committed = [e["step"] for e in results[0]["events"] if e["event"] == "checkpoint_committed"]
+    assert committed == [2]
+    # Rank 0 (which commits) removed the partial directory, then committed step 2.
+    assert not results[0]["first_dir_exists"]
+    assert results[0]["second_ok"] and results[0]["failures"] == 0
