@@ -162,3 +162,14 @@ def test_parallelize_leaves_neuron_to_its_backend() -> None:
     with pytest.raises(ValueError, match="trainer.backends"):
         parallelize(build_model(PRESETS["tiny"], device="meta"), cfg.parallelism,
                     cfg.precision, None, seed=0)
+
+
+def test_deepspeed_checkpointer_refuses_an_object_store_tier() -> None:
+    from trainer.backends.deepspeed_checkpoint import DeepSpeedCheckpointer
+    from trainer.checkpoint.store import CheckpointStore, Tier
+    from trainer.config import CheckpointConfig
+
+    store = CheckpointStore(Tier("remote", "s3://bucket/ckpt/job", fs=None))
+    with pytest.raises(ValueError, match="local_url"):
+        DeepSpeedCheckpointer(CheckpointConfig(), store, rank=0, world_size=1, group=None,
+                              meta={}, report=lambda *a, **k: None, log=print)
