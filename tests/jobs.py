@@ -172,3 +172,25 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def deepspeed_state_dict(step_dir: Path) -> dict[str, Any]:
+    """Every file of a DeepSpeed checkpoint (``*.pt``), loaded with torch.load and flattened
+    to ``{file/key.path: value}`` (lists indexed), so two checkpoints compare entry by entry."""
+    import torch
+
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}{i}.", v)
+        else:
+            flat[prefix.rstrip(".")] = value
+
+    for path in sorted(Path(step_dir).glob("*.pt")):
+        walk(path.name + "/", torch.load(path, map_location="cpu", weights_only=False))
+    return flat

@@ -1,4 +1,8 @@
-"""One builder per component; ``build_parts`` wires them and restores the newest checkpoint."""
+"""One builder per component; ``build_parts`` wires them and restores the newest checkpoint.
+
+What differs between strategies (the model, the optimizer, the step, the checkpoint format)
+comes from the strategy's backend (``trainer.backends``); the wiring here is the same for all.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-import torch
 
 from orchestrator.worker import Worker, WorkerContext
+from trainer.backends import Backend, backend_for
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.retry import retrying
 from trainer.checkpoint.store import open_store
@@ -18,29 +22,22 @@ from trainer.checkpoint.upload import Uploader
 from trainer.distributed import DistContext
 from trainer.loop import Parts
 from trainer.settings import WorkerSettings
-from trainer.state import STATE_LAYOUT, GuardState, Progress, checkpoint_state
+from trainer.state import GuardState, Progress
 
 
-def build_loader(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext) -> Any:
+def build_loader(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
+                 backend: Backend) -> Any:
+    """The resumable loader, sharded over the data-parallel ranks (tensor-parallel peers
+    read the same samples)."""
     from trainer.data.dataset import ResumableLoader, TokenShards, ensure_dataset
 
     data = settings.trainer.data
     shards = TokenShards(ensure_dataset(data))
     windows = [tuple(w) for w in data.skip_windows] + list(ctx.skip_windows)
+    dp_rank, dp_world = backend.data_parallel(dctx)
     return ResumableLoader(shards, data.seq_len, data.micro_batch_size, data.grad_accum_steps,
-                           dp_rank=dctx.rank, dp_world=dctx.world_size, seed=data.seed,
+                           dp_rank=dp_rank, dp_world=dp_world, seed=data.seed,
                            skip_windows=windows)
-
-
-def build_model(settings: WorkerSettings, dctx: DistContext) -> Any:
-    from trainer import model as model_mod
-    from trainer.parallel import parallelize
-    from trainer.presets import resolve_model_args
-
-    cfg = settings.trainer
-    args = resolve_model_args(cfg.model)
-    model = model_mod.build_model(args, device="meta")
-    return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
 
 
 def apply_endpoint(settings: WorkerSettings) -> None:
@@ -52,8 +49,9 @@ def apply_endpoint(settings: WorkerSettings) -> None:
 
 
 def build_checkpointer(settings: WorkerSettings, dctx: DistContext, worker: Worker,
-                       log: Callable[[str], None]) -> Checkpointer:
-    """The store (one or two tiers), rank 0's uploader when tiering, and the checkpointer."""
+                       log: Callable[[str], None], backend: Backend) -> Checkpointer:
+    """The store (one or two tiers), rank 0's uploader when tiering, and the backend's
+    checkpointer."""
     from trainer.presets import resolve_model_args
 
     cfg = settings.checkpoint
@@ -69,43 +67,61 @@ def build_checkpointer(settings: WorkerSettings, dctx: DistContext, worker: Work
     data = settings.trainer.data
     # The model's shape and the tokenizer make a checkpoint exportable on its own.
     meta = {"job": settings.job, "config_hash": settings.config_hash,
-            "state_layout": STATE_LAYOUT,
             "model": asdict(resolve_model_args(settings.trainer.model)),
-            "tokenizer": data.tokenizer, "dataset": data.path}
-    return Checkpointer(cfg, store, rank=dctx.rank, world_size=dctx.world_size,
+            "tokenizer": data.tokenizer, "dataset": data.path, **backend.checkpoint_meta()}
+    return backend.checkpointer_class(cfg, store, rank=dctx.rank, world_size=dctx.world_size,
                         group=dctx.ckpt_group, meta=meta, report=worker.event, log=log,
                         device_type=dctx.device.type, uploader=uploader)
 
 
 def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                 worker: Worker, log: Callable[[str], None]) -> Parts:
-    from trainer.optim import build_optimizer, build_scheduler
+    """Every part of the run, with the newest checkpoint (or the HF weights) loaded.
+
+    The checkpoint is chosen before the model is built: with none, Hugging Face weights go
+    into the model before the optimizer and the backend's wrapping exist (DeepSpeed's ZeRO
+    optimizer copies the weights it is given into its own partitions at initialisation).
+    """
+    from trainer.optim import build_scheduler
+    from trainer.presets import resolve_model_args
 
     cfg = settings.trainer
     apply_endpoint(settings)
-    loader = build_loader(settings, dctx, ctx)
+    backend = backend_for(cfg.parallelism.strategy)
+    backend.setup(settings, dctx)
+    loader = build_loader(settings, dctx, ctx, backend)
     vocab = loader.shards.tokenizer["vocab_size"]
-    from trainer.presets import resolve_model_args
-
     if vocab > resolve_model_args(cfg.model).vocab_size:
         raise ValueError(f"the dataset's tokenizer has {vocab} ids, more than the model's "
                          f"vocab_size {resolve_model_args(cfg.model).vocab_size}")
-    model = build_model(settings, dctx)
-    optimizer = build_optimizer(model, cfg.optimizer, dctx.device.type)
+    checkpointer = build_checkpointer(settings, dctx, worker, log, backend)
+    with worker.phase("loading"):
+        t0 = time.perf_counter()
+        choice = checkpointer.choose(max_step=ctx.resume_max_step)
+        load_s = time.perf_counter() - t0
+    model = backend.build_model(settings, dctx)
+    if choice is None and cfg.model.init_from_hf:
+        with worker.phase("loading"):
+            backend.load_pretrained(model, cfg.model.init_from_hf)
+        log(f"no checkpoint found: starting from the Hugging Face weights in "
+            f"{cfg.model.init_from_hf}")
+    elif choice is None:
+        log("no checkpoint found: starting from scratch")
+    optimizer = backend.build_optimizer(model, settings, dctx)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps, lr_scale=ctx.lr_scale)
+    stepper = backend.build_stepper(model, optimizer, scheduler, settings, dctx)
     progress = Progress()
-    state = checkpoint_state(model, optimizer, scheduler, progress, loader, dctx.rank)
+    state = backend.checkpoint_state(stepper, scheduler, progress, loader, dctx.rank)
     guard = None
     if "skip_step" in settings.stability.rule_actions().values():
         from stability import SkipStepGuard
 
         guard = SkipStepGuard(settings.stability)
         state["stability"] = GuardState(guard)
-    checkpointer = build_checkpointer(settings, dctx, worker, log)
     with worker.phase("loading"):
         t0 = time.perf_counter()
-        manifest = checkpointer.restore(state, max_step=ctx.resume_max_step)
-        load_s = time.perf_counter() - t0
+        manifest = checkpointer.load(state, choice)
+        load_s += time.perf_counter() - t0
     if manifest is not None:
         if manifest.get("config_hash") != settings.config_hash:
             log(f"warning: checkpoint config hash {manifest.get('config_hash')} differs from "
@@ -117,24 +133,9 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
             worker.event("resumed", step=progress.step, path=checkpointer.restored_url,
                          load_s=round(load_s, 6), tier=restored.tier if restored else None,
                          fetched_from=restored.fetched_from if restored else None)
-    elif cfg.model.init_from_hf:
-        from trainer.hf import load_into
-
-        with worker.phase("loading"):
-            load_into(model, cfg.model.init_from_hf)
-        log(f"no checkpoint found: starting from the Hugging Face weights in "
-            f"{cfg.model.init_from_hf}")
-    else:
-        log("no checkpoint found: starting from scratch")
     chaos = ctx.chaos
-    parts = Parts(cfg, dctx, model, optimizer, scheduler, loader, progress, checkpointer, state,
+    return Parts(cfg, dctx, stepper, scheduler, loader, progress, checkpointer, state,
                  worker, settings.checkpoint.interval_steps, log, guard,
                  set(chaos.get("poison_batches") or []),
                  float(chaos.get("slow_checkpoint_s") or 0.0),
                  float(chaos.get("slow_first_step_s") or 0.0))
-    if cfg.parallelism.compile:
-        from trainer.loop import token_loss
-
-        # Fused upcast + log-softmax: the fp32 logits (4 bytes x vocab x tokens) never exist.
-        parts.loss_fn = torch.compile(token_loss)
-    return parts

@@ -188,13 +188,78 @@ class ParallelismConfig(_Section):
         "none", description="Recompute activations: none, selective (every other block), full."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
-    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    zero_stage: int = Field(
+        1, ge=0, le=3, description="ZeRO stage: deepspeed 0-3; neuron 0 or 1 (NxD ZeRO-1)."
+    )
     tensor_parallel: int = Field(
         1, ge=1, description="Tensor-parallel degree (neuron strategy: neuronx-distributed TP)."
     )
     reshard_after_forward: bool = Field(
         True, description="FSDP2: free gathered parameters after forward (ZeRO-3 style)."
     )
+
+
+# Strategies whose optimizer step computes the gradient norm and applies the update in one
+# call, so a skip_step verdict (which needs the norm) cannot come between the two.
+NO_SKIP_STEP = {
+    "deepspeed": "DeepSpeed computes the gradient norm inside engine.step(), the call that "
+                 "also applies the update, and has no supported API to decide in between",
+    "neuron": "neuronx-distributed's optimizer computes the gradient norm inside "
+              "optimizer.step(), which also applies the update",
+}
+
+
+def check_strategy(cfg: TrainerConfig) -> None:
+    """Fields the chosen parallelism strategy cannot honour (raises ``FieldError``)."""
+    par = cfg.parallelism
+    if par.tensor_parallel > 1 and par.strategy != "neuron":
+        raise FieldError("parallelism.tensor_parallel",
+                         f"tensor parallelism is implemented for strategy neuron only, not "
+                         f"{par.strategy!r}")
+    if par.strategy != "neuron":
+        return
+    if cfg.device != "xla":
+        raise FieldError("device", "strategy neuron runs on NeuronCores through torch-xla: "
+                                   "set trainer.device: xla")
+    if par.backend not in ("auto", "xla"):
+        raise FieldError("parallelism.backend", "strategy neuron uses the xla backend")
+    if par.zero_stage > 1:
+        raise FieldError("parallelism.zero_stage",
+                         "neuronx-distributed shards optimizer state (ZeRO-1) only: use 0 or 1")
+    if par.compile:
+        raise FieldError("parallelism.compile", "Neuron compiles XLA graphs itself "
+                                                "(neuronx-cc): leave compile false")
+    if par.activation_checkpointing == "selective":
+        raise FieldError("parallelism.activation_checkpointing",
+                         "strategy neuron checkpoints whole blocks: use none or full")
+    args = resolve_model_args(cfg.model)
+    tp = par.tensor_parallel
+    for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        if getattr(args, name) % tp:
+            raise FieldError("parallelism.tensor_parallel",
+                             f"{tp} does not divide the model's {name} ({getattr(args, name)})")
+
+
+def check_sections(trainer: TrainerConfig, checkpoint: CheckpointConfig,
+                   rule_actions: dict[str, str]) -> None:
+    """Cross-section rules of the strategy; field names are relative to the root config.
+
+    ``rule_actions`` is ``StabilityConfig.rule_actions()`` (enabled rule -> action).
+    """
+    strategy = trainer.parallelism.strategy
+    if strategy in NO_SKIP_STEP:
+        for rule, action in sorted(rule_actions.items()):
+            if action == "skip_step":
+                raise FieldError(f"stability.{rule}.action",
+                                 f"skip_step cannot be honoured with trainer.parallelism."
+                                 f"strategy {strategy}: {NO_SKIP_STEP[strategy]}; use "
+                                 "record, rollback or lower_lr")
+    if strategy == "deepspeed" and checkpoint.local_url is None and checkpoint.url and \
+            "://" in checkpoint.url and not checkpoint.url.startswith("file://"):
+        raise FieldError("checkpoint.url",
+                         "DeepSpeed writes checkpoints into a directory (torch.save): with an "
+                         "object store url, set checkpoint.local_url (saves commit there and "
+                         "upload in the background)")
 
 
 class TrainerConfig(_Section):
@@ -224,6 +289,7 @@ class TrainerConfig(_Section):
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainerConfig:
+        check_strategy(self)
         if self.schedule.warmup_steps > self.steps:
             raise FieldError(
                 "schedule.warmup_steps",
@@ -299,7 +365,8 @@ class CheckpointConfig(_Section):
                              "exits with an error and the restart policy takes over."
     )
     async_save: bool = Field(
-        True, description="DCP async_save: the step waits only for staging."
+        True, description="Asynchronous saves: the step waits only for staging (DCP, NxD). "
+                          "DeepSpeed's saves are always synchronous."
     )
     write_threads: int = Field(
         4, ge=1, le=64,

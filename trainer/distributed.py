@@ -83,7 +83,10 @@ def init_distributed(cfg: TrainerConfig) -> DistContext:
     device = pick_device(cfg, local_rank)
     backend = cfg.parallelism.backend
     if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = {"cuda": "nccl", "xla": "xla"}.get(device.type, "gloo")
+    if backend == "xla":
+        # Registers the "xla" process-group backend (Neuron's collectives on Trainium).
+        import torch_xla.distributed.xla_backend  # noqa: F401
     ckpt_group = None
     if world > 1 or "MASTER_ADDR" in os.environ:
         timeout = datetime.timedelta(seconds=collective_timeout_s())

@@ -243,21 +243,41 @@ def load_into(model: torch.nn.Module, path: str | Path) -> None:
 def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Path, *,
                       dtype: str = "float32", tokenizer: str | None = None,
                       log: Callable[[str], None] = print) -> list[str]:
-    """Write a verified DCP checkpoint's model weights as a Llama-format directory.
+    """Write a verified checkpoint's model weights as a Llama-format directory.
 
     The shape comes from the manifest (``model``), the tokenizer from the manifest unless
-    given. Reads only the model's tensors (no optimizer state), on the CPU, no process group.
+    given. Reads only the model's tensors (no optimizer state), on the CPU, no process group:
+    DCP checkpoints directly, DeepSpeed ones (``writer: deepspeed``) through DeepSpeed's own
+    consolidation of the ZeRO partitions.
     """
+    import torch
+
+    if "model" not in manifest:
+        raise ValueError(f"{step_url}: the manifest records no model shape (written before "
+                         "exports were supported)")
+    args = ModelArgs(**manifest["model"])
+    if manifest.get("writer", "dcp") == "deepspeed":
+        sd = _deepspeed_weights(step_url)
+    elif manifest.get("writer", "dcp") == "dcp":
+        sd = _dcp_weights(step_url, args)
+    else:
+        raise ValueError(f"{step_url}: written by {manifest.get('writer')!r}; export reads "
+                         "DCP and DeepSpeed checkpoints")
+    tok = tokenizer if tokenizer is not None else manifest.get("tokenizer")
+    written = write_hf_dir(out_dir, sd, args, dtype=dtype, tokenizer=tok)
+    numel = sum(t.numel() for t in sd.values() if isinstance(t, torch.Tensor))
+    log(f"exported step {manifest.get('step')} ({numel:,} parameters, {dtype}) "
+        f"to {out_dir}: {', '.join(written)}")
+    return written
+
+
+def _dcp_weights(step_url: str, args: ModelArgs) -> dict[str, torch.Tensor]:
     import torch
     import torch.distributed.checkpoint as dcp
 
     from trainer.checkpoint import layout
     from trainer.model import Transformer
 
-    if "model" not in manifest:
-        raise ValueError(f"{step_url}: the manifest records no model shape (written before "
-                         "exports were supported)")
-    args = ModelArgs(**manifest["model"])
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -269,8 +289,34 @@ def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Pa
     else:
         reader = dcp.FileSystemReader(layout.filesystem(step_url)[1])
     dcp.load(state, storage_reader=reader, no_dist=True)
-    tok = tokenizer if tokenizer is not None else manifest.get("tokenizer")
-    written = write_hf_dir(out_dir, state["app"]["model"], args, dtype=dtype, tokenizer=tok)
-    log(f"exported step {manifest.get('step')} ({model.num_params():,} parameters, {dtype}) "
-        f"to {out_dir}: {', '.join(written)}")
-    return written
+    return state["app"]["model"]
+
+
+# Activation checkpointing wraps blocks; DCP's state-dict API drops this from names, a
+# DeepSpeed module's own state_dict() keeps it.
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _deepspeed_weights(step_url: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a DeepSpeed step directory: ZeRO 1-3 consolidated from the
+    optimizer's partitions (``get_fp32_state_dict_from_zero_checkpoint``), stage 0 from the
+    model states file."""
+    import os
+
+    import torch
+
+    from trainer.checkpoint import layout
+
+    if layout.is_remote(step_url):
+        raise ValueError(f"{step_url}: DeepSpeed checkpoints export from a local directory "
+                         "(a remote copy is fetched into the local tier by a restart)")
+    path = layout.filesystem(step_url)[1].rstrip("/")
+    if any(name.endswith("_optim_states.pt") for name in os.listdir(path)):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        root, tag = os.path.split(path)
+        sd = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+    else:
+        sd = torch.load(os.path.join(path, "mp_rank_00_model_states.pt"), map_location="cpu",
+                        weights_only=False)["module"]
+    return {k.replace(_AC_PREFIX, ""): v.float() for k, v in sd.items()}

@@ -29,7 +29,7 @@ from torch import nn
 from trainer.presets import ModelArgs
 
 __all__ = ["RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer",
-           "rope_tables", "apply_rope", "build_model"]
+           "rope_tables", "apply_rope", "attention_core", "swiglu", "init_specs", "build_model"]
 
 
 class RMSNorm(nn.Module):
@@ -77,6 +77,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def attention_core(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention from a fused projection's output.
+
+    ``qkv`` [B, T, (n_heads + 2 * n_kv_heads) * head_dim] holds the query heads, then the key
+    heads, then the value heads; returns [B, T, n_heads * head_dim], before the output
+    projection. A tensor-parallel rank calls it with its own heads only (``n_heads / tp``
+    and ``n_kv_heads / tp``, see ``trainer.backends.neuron_tp``): query head h reads kv head
+    h // (n_heads / n_kv_heads) globally and locally alike.
+    """
+    bsz, seqlen, _ = qkv.shape
+    q_size = n_heads * head_dim
+    kv_size = n_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(bsz, seqlen, n_heads, head_dim).transpose(1, 2)
+    k = k.view(bsz, seqlen, n_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(bsz, seqlen, n_kv_heads, head_dim).transpose(1, 2)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    gqa = {}
+    if n_kv_heads != n_heads:
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            # The flash and cuDNN kernels read shared K/V heads directly: no copies.
+            gqa = {"enable_gqa": True}
+        else:
+            # Elsewhere (fp32, CPU) expand K/V: on torch 2.11 only the half-precision flash
+            # and cuDNN kernels accept enable_gqa, the rest fall back to the slow math kernel.
+            # Query head h reads kv head h // n_rep, as in HF's repeat_kv.
+            n_rep = n_heads // n_kv_heads
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+    return out.transpose(1, 2).reshape(bsz, seqlen, q_size)
+
+
+def swiglu(h13: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` from a fused projection whose first half is the gate."""
+    gate, up = h13.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with a fused qkv projection."""
 
@@ -90,30 +131,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        bsz, seqlen, _ = x.shape
-        q_size = self.n_heads * self.head_dim
-        kv_size = self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        gqa = {}
-        if self.n_kv_heads != self.n_heads:
-            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-                # The flash and cuDNN kernels read shared K/V heads directly: no copies.
-                gqa = {"enable_gqa": True}
-            else:
-                # Elsewhere (fp32, CPU) expand K/V: on torch 2.11 only the half-precision
-                # flash and cuDNN kernels accept enable_gqa, the rest fall back to the slow
-                # math kernel. Query head h reads kv head h // n_rep, as in HF's repeat_kv.
-                n_rep = self.n_heads // self.n_kv_heads
-                k = k.repeat_interleave(n_rep, dim=1)
-                v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-        out = out.transpose(1, 2).reshape(bsz, seqlen, q_size)
-        return self.wo(out)
+        return self.wo(attention_core(self.wqkv(x), self.n_heads, self.n_kv_heads,
+                                      self.head_dim, cos, sin))
 
 
 class FeedForward(nn.Module):
@@ -126,8 +145,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(self.w13(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -222,6 +240,21 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         """Number of parameters (global counts, also for sharded DTensor parameters)."""
         return sum(p.numel() for p in self.parameters())
+
+
+def init_specs(args: ModelArgs) -> list[tuple[str, float | None]]:
+    """Every parameter in ``Transformer.init_weights``'s draw order with its init: the std of
+    its normal draw, or None for ones (norm gains, which draw nothing). Replaying it from the
+    same seed gives the same weights however the parameters are laid out (tensor parallel)."""
+    out_std = args.init_std / math.sqrt(2 * args.n_layers)
+    specs: list[tuple[str, float | None]] = [("tok_embeddings.weight", args.init_std)]
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        specs += [(p + "attention_norm.weight", None), (p + "attention.wqkv.weight", args.init_std),
+                  (p + "attention.wo.weight", out_std), (p + "ffn_norm.weight", None),
+                  (p + "feed_forward.w13.weight", args.init_std),
+                  (p + "feed_forward.w2.weight", out_std)]
+    return specs + [("norm.weight", None), ("output.weight", args.init_std)]
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "cpu") -> Transformer:

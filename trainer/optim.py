@@ -12,7 +12,7 @@ from torch.optim.lr_scheduler import LambdaLR
 if TYPE_CHECKING:  # annotations only: any object with these fields will do
     from trainer.config import OptimizerConfig, ScheduleConfig
 
-__all__ = ["build_optimizer", "lr_at", "LRLambda", "ScheduledLR", "build_scheduler"]
+__all__ = ["param_groups", "build_optimizer", "lr_at", "LRLambda", "ScheduledLR", "build_scheduler"]
 
 
 class _ScheduleLike(Protocol):
@@ -21,15 +21,14 @@ class _ScheduleLike(Protocol):
     min_lr_ratio: float
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig,
-                    device_type: str) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters in two groups.
+def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict[str, Any]]:
+    """``model``'s trainable parameters in AdamW's two groups.
 
     Group 0 (weight decay ``cfg.weight_decay``): parameters of 2 or more dimensions (linear
     weights, embeddings). Group 1 (no decay): 1-D parameters (norm weights, biases), because
     decaying a norm's gain toward 0 only fights the normalisation. ``ndim`` of an FSDP2 DTensor
-    parameter is its global rank, so the split is the same sharded or not.
-    Fused kernels by default on CUDA (``cfg.fused`` overrides), multi-tensor foreach otherwise.
+    parameter is its global rank, and a tensor-parallel shard keeps its rank, so the split is
+    the same sharded or not.
     """
     decay, no_decay = [], []
     for param in model.parameters():
@@ -37,11 +36,19 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig,
             (decay if param.ndim >= 2 else no_decay).append(param)
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters")
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig,
+                    device_type: str) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters in the two groups of ``param_groups``.
+
+    Fused kernels by default on CUDA (``cfg.fused`` overrides), multi-tensor foreach otherwise.
+    """
     fused = cfg.fused if cfg.fused is not None else device_type == "cuda"
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         # fused and foreach are exclusive: ask for exactly one implementation.
         fused=True if fused else None, foreach=None if fused else True,

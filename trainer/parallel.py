@@ -1,9 +1,11 @@
-"""Spreading the model over ranks: FSDP2 (``fully_shard``), DDP, or none.
+"""Preparing our Transformer for a strategy: FSDP2 (``fully_shard``), DDP, none, DeepSpeed.
 
 FSDP2 shards each transformer block, then the root; with bf16 the compute runs in bf16 and
 gradients are reduced in fp32 (master weights and optimizer state stay fp32). Activation
 checkpointing and ``torch.compile`` apply per block, before sharding, as torchtitan does.
-DeepSpeed and Neuron are set up by their own modules (``trainer.backends``).
+DeepSpeed gets the materialised module: ``deepspeed.initialize`` partitions it together with
+the optimizer (``trainer.backends.deepspeed``). Neuron builds a tensor-parallel variant of
+the model instead (``trainer.backends.neuron_tp``). ``trainer.backends`` picks per strategy.
 """
 
 from __future__ import annotations
@@ -66,15 +68,18 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
                 dctx: DistContext, seed: int) -> nn.Module:
     """Apply AC, compile and the sharding strategy to a meta-device model; materialise it.
 
-    Sharding happens before materialising, so a 7B model never exists unsharded on a rank.
-    Returns the module to train.
+    FSDP2 shards before materialising, so a 7B model never exists unsharded on a rank.
+    DeepSpeed gets the plain materialised module (its engine partitions it). Returns the
+    module to train (or to hand to the engine).
     """
+    strategy = par.strategy
+    if strategy not in ("fsdp2", "ddp", "none", "deepspeed"):
+        # Neuron's tensor-parallel layers are a different module tree, built by NxD.
+        raise ValueError(f"parallelism.strategy {strategy!r} does not use our Transformer "
+                         "module as is: see trainer.backends")
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile:
         apply_compile(model)
-    strategy = par.strategy
-    if strategy not in ("fsdp2", "ddp", "none"):
-        raise ValueError(f"parallelism.strategy {strategy!r} is set up by trainer.backends")
     if strategy == "fsdp2" and dctx.distributed:
         apply_fsdp(model, par, prec, dctx.world_size)
     materialize(model, dctx.device, seed)

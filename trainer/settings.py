@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stability.config import StabilityConfig
-from trainer.config import CheckpointConfig, TrainerConfig
+from trainer.config import CheckpointConfig, TrainerConfig, check_sections
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ def load_settings(config_path: str | None, job: str | None = None,
     trainer = TrainerConfig.model_validate(data.get("trainer") or {})
     checkpoint = CheckpointConfig.model_validate(data.get("checkpoint") or {})
     stability = StabilityConfig.model_validate(data.get("stability") or {})
+    check_sections(trainer, checkpoint, stability.rule_actions())
     job_name = job or (data.get("job") or {}).get("name") or "local"
     root = checkpoint_root or checkpoint.url or "checkpoints"
     # The hash covers what decides the shape of the state: a checkpoint of another model

@@ -12,6 +12,7 @@ import json
 import pickle
 import random
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,11 +121,16 @@ def params_digest(model: nn.Module) -> dict[str, Any]:
     Replicated strategies (DDP, none) must give the same digest on every rank: ranks that
     disagree have drifted apart (one applied an update the other skipped).
     """
+    return tensors_digest((name, param.to_local() if hasattr(param, "to_local") else param)
+                          for name, param in model.named_parameters())
+
+
+def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """CRC32 over the bytes of ``(name, tensor)`` pairs, in order (see ``params_digest``)."""
     crc, numel = 0, 0
     with torch.no_grad():
-        for _, param in model.named_parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
-            data = local.detach().contiguous().cpu()
+        for _, tensor in tensors:
+            data = tensor.detach().contiguous().cpu()
             crc = zlib.crc32(data.view(torch.uint8).numpy().tobytes(), crc)
             numel += data.numel()
     return {"crc32": f"{crc:08x}", "numel": numel}

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from orchestrator.health.config import HealthConfig
 from stability.config import StabilityConfig
-from trainer.config import CheckpointConfig, FieldError, TrainerConfig
+from trainer.config import CheckpointConfig, FieldError, TrainerConfig, check_sections
 
 
 class Section(BaseModel):
@@ -278,6 +278,7 @@ class Config(Section):
         if world % tp:
             raise FieldError("trainer.parallelism.tensor_parallel",
                              f"{tp} does not divide the world size {world}")
+        check_sections(self.trainer, self.checkpoint, self.stability.rule_actions())
         if self.chaos.fail_at_start_rank is not None and self.chaos.fail_at_start_rank >= world:
             raise FieldError("chaos.fail_at_start_rank", f"outside world size {world}")
         if self.cluster.accelerator == "cpu" and self.trainer.parallelism.backend == "nccl":

@@ -168,6 +168,12 @@ class Checkpointer:
                                            storage_writer=writer, process_group=self.group))
             except SaveErrors as exc:  # noqa: BLE001 - handled like an async failure
                 future.set_exception(exc)
+        return self._start(step, url, tokens, t0, future)
+
+    def _start(self, step: int, url: str, tokens: int, t0: float,
+               future: concurrent.futures.Future) -> float:
+        """Track a save whose files are written once ``future`` completes; rank 0 then
+        commits it off the training thread. Returns the seconds training was blocked."""
         blocking = time.perf_counter() - t0
         pending = _Pending(step, url, tokens, t0, blocking, future)
         if self.rank == 0:
@@ -178,14 +184,18 @@ class Checkpointer:
         self._pending = pending
         return blocking
 
+    def _expected_files(self, result: Any) -> set[str]:
+        """The files the finished save wrote, from its future's result (DCP's metadata)."""
+        return _written_files(result)
+
     def _finalize(self, p: _Pending, done: concurrent.futures.Future) -> None:
         """Rank 0, off the training thread: checksum, write the manifest, prune, upload."""
         primary = self.store.primary
         try:
-            metadata = p.future.result()
+            expected = self._expected_files(p.future.result())
             save_s = time.perf_counter() - p.started
             manifest = layout.build_manifest(
-                p.url, _written_files(metadata), fs=primary.fs, step=p.step, tokens=p.tokens,
+                p.url, expected, fs=primary.fs, step=p.step, tokens=p.tokens,
                 world_size=self.world_size, wall_time_s=round(save_s, 4),
                 blocking_s=round(p.blocking_s, 4), state=self.meta.get("state_layout", {}),
                 **{k: v for k, v in self.meta.items() if k != "state_layout"})
@@ -289,11 +299,15 @@ class Checkpointer:
 
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, state: dict[str, Any], max_step: int | None = None) -> dict[str, Any] | None:
-        """Load the newest committed, verified checkpoint (<= ``max_step``) into ``state``.
+        """Load the newest committed, verified checkpoint (<= ``max_step``) into ``state``:
+        ``choose`` then ``load``. Returns its manifest, or None for a fresh start."""
+        return self.load(state, self.choose(max_step))
+
+    def choose(self, max_step: int | None = None) -> Choice | None:
+        """The checkpoint every rank will load (None: a fresh start), before anything is built.
 
         Rank 0 chooses, verifies (fetching a remote copy into the local tier), then tells
-        the others, so every rank loads the same one. Returns its manifest, or None when
-        there is none (a fresh start).
+        the others, so every rank loads the same one. Collective over the checkpoint group.
         """
         choice: list[Any] = [None]
         if self.rank == 0:
@@ -311,16 +325,14 @@ class Checkpointer:
             choice = [found]
         if self.group is not None:
             dist.broadcast_object_list(choice, src=0, group=self.group)
-        found = choice[0]
+        return choice[0]
+
+    def load(self, state: dict[str, Any], found: Choice | None) -> dict[str, Any] | None:
+        """Load the chosen checkpoint into ``state``; returns its manifest (None: nothing
+        chosen). A checkpoint that exists only locally is queued for upload again."""
         if found is None:
             return None
-        if layout.is_remote(found.url):
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-            reader: Any = FsspecReader(found.url)
-        else:
-            reader = dcp.FileSystemReader(layout.filesystem(found.url)[1])
-        dcp.load(state, storage_reader=reader, process_group=self.group)
+        self._read(state, found)
         self.last_committed = found.step
         self.restored = found
         if self.uploader is not None and self.store.remote is not None:
@@ -332,3 +344,13 @@ class Checkpointer:
             if not same_checkpoint(remote, found.manifest):
                 self.uploader.submit(found.step)  # a local-only checkpoint: repair the remote
         return found.manifest
+
+    def _read(self, state: dict[str, Any], found: Choice) -> None:
+        """Read the checkpoint's files into ``state`` (DCP; other writers override this)."""
+        if layout.is_remote(found.url):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            reader: Any = FsspecReader(found.url)
+        else:
+            reader = dcp.FileSystemReader(layout.filesystem(found.url)[1])
+        dcp.load(state, storage_reader=reader, process_group=self.group)
