@@ -135,7 +135,8 @@ def run_mode(compile_: bool, strategy: str, mbs: int, args: argparse.Namespace,
         if DEVICE == "cuda" else None,
     }
     if args.overhead and args.overhead_run:
-        result["monitoring"] = monitoring_overhead(parts, args.overhead)
+        result["monitoring"] = [monitoring_overhead(parts, args.overhead, every)
+                                for every in (10, 1)]
         args.overhead_run = False
     del parts
     return result
@@ -170,9 +171,10 @@ def agent_sink():
         server.close()
 
 
-def monitoring_overhead(parts, blocks: int) -> dict[str, Any]:
+def monitoring_overhead(parts, blocks: int, norm_every: int) -> dict[str, Any]:
     """Step time with the SDK (beat thread sending to an agent socket, a record per step)
-    and the param norm every step, against both off; interleaved blocks of 5 steps."""
+    and the param norm every ``norm_every`` steps, against both off; interleaved blocks of
+    10 steps."""
     from orchestrator.worker.sdk import Worker
     from trainer.loop import train_step
 
@@ -182,9 +184,9 @@ def monitoring_overhead(parts, blocks: int) -> dict[str, Any]:
                              "ORCH_HEARTBEAT_INTERVAL": "0.5"}).start()
         for _ in range(blocks):
             parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 10_000})
-            off += time_steps(parts, 5)
-            parts.cfg = parts.cfg.model_copy(update={"param_norm_every": 1})
-            for _ in range(5):
+            off += time_steps(parts, 10)
+            parts.cfg = parts.cfg.model_copy(update={"param_norm_every": norm_every})
+            for _ in range(10):
                 _sync()
                 t0 = time.perf_counter()
                 rec = train_step(parts)
@@ -195,7 +197,7 @@ def monitoring_overhead(parts, blocks: int) -> dict[str, Any]:
     a, b = statistics.median(off), statistics.median(on)
     return {"step_s_off": round(a, 5), "step_s_on": round(b, 5),
             "overhead_pct": round(100 * (b - a) / a, 3), "steps_each": len(off),
-            "param_norm_every": 1, "heartbeat_interval_s": 0.5}
+            "param_norm_every": norm_every, "heartbeat_interval_s": 0.5}
 
 
 def main() -> int:
@@ -209,7 +211,7 @@ def main() -> int:
     ap.add_argument("--ac", default="none")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--overhead", type=int, default=4, help="blocks of 5+5 steps; 0 skips")
+    ap.add_argument("--overhead", type=int, default=4, help="blocks of 10+10 steps; 0 skips")
     ap.add_argument("--out", default="gpu-train.json")
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")

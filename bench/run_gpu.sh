@@ -37,6 +37,19 @@ elif [ "$part" = C ]; then
     --set timeouts.training_floor_s=5 --set restart.backoff_initial_s=0.5 \
     --kill-step 500 --stop-step 700 --out recovery-h100.json 2>&1 | tail -40
   cp bench/results/recovery-h100.json "$out/" 2>/dev/null
+elif [ "$part" = E ]; then
+  # After the backend refactor: GPU tests, monitoring overhead at the shipped defaults, and
+  # the recovery again, now with warm spare interpreters (micro-batch 4: 0.13 s steps).
+  python3 -m pytest tests/gpu -q -p no:cacheprovider -x 2>&1 | tee "$out/gpu-tests.log" | tail -3
+  python3 bench/gpu_train.py --runs eager:fsdp2:4 --overhead 4 --out gpu-overhead-h100.json \
+    2>&1 | tail -3
+  cp bench/results/gpu-overhead-h100.json "$out/" 2>/dev/null
+  python3 bench/recovery.py configs/gpu-1b-h100.yaml --device "$(nvidia-smi --query-gpu=name \
+    --format=csv,noheader | head -1)" --set trainer.steps=450 --set checkpoint.interval_steps=100 \
+    --set trainer.data.micro_batch_size=4 --set timeouts.training_floor_s=5 \
+    --set restart.backoff_initial_s=0.5 --kill-step 290 --stop-step 390 \
+    --out recovery-warm-h100.json 2>&1 | tail -45
+  cp bench/results/recovery-warm-h100.json "$out/" 2>/dev/null
 else
   python3 bench/gpu_health.py 2>&1 | tail -10
   cp bench/results/health-*.json "$out/" 2>/dev/null

@@ -61,7 +61,7 @@ def test_fsdp2_bf16_compile_checkpoint_and_resume(cuda_parts) -> None:
     policy = parts.model._get_fsdp_state()._mp_policy
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in parts.model.parameters())  # fp32 master
-    assert parts.optimizer.defaults["fused"] is True
+    assert parts.stepper.optimizer.defaults["fused"] is True
     default_pg = dist.distributed_c10d._get_default_group()
     nccl = default_pg._get_backend(torch.device("cuda"))
     assert type(nccl).__name__ == "ProcessGroupNCCL"
