@@ -21,6 +21,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import xxhash
 from common import header
 
 CHUNK = 8 * 2**20
@@ -33,32 +34,19 @@ def _algorithms() -> dict[str, Callable[[list[memoryview]], object]]:
             crc = zlib.crc32(c, crc)
         return crc
 
-    def hashlib_algo(name):
+    def streaming(factory):
         def run(chunks):
-            h = hashlib.new(name)
+            h = factory()
             for c in chunks:
                 h.update(c)
             return h.digest()
         return run
 
-    algos = {"zlib.crc32": crc32, "sha256": hashlib_algo("sha256"),
-             "blake2b": hashlib_algo("blake2b")}
-    try:
-        import xxhash
-
-        def xx(factory):
-            def run(chunks):
-                h = factory()
-                for c in chunks:
-                    h.update(c)
-                return h.intdigest()
-            return run
-        algos["xxhash.xxh3_64"] = xx(xxhash.xxh3_64)
-        algos["xxhash.xxh3_128"] = xx(xxhash.xxh3_128)
-        algos["xxhash.xxh64"] = xx(xxhash.xxh64)
-    except ImportError:
-        pass
-    try:
+    algos = {"zlib.crc32": crc32, "sha256": streaming(hashlib.sha256),
+             "blake2b": streaming(hashlib.blake2b), "xxhash.xxh3_64": streaming(xxhash.xxh3_64),
+             "xxhash.xxh3_128": streaming(xxhash.xxh3_128),
+             "xxhash.xxh64": streaming(xxhash.xxh64)}
+    try:  # an optional candidate, not a dependency
         import google_crc32c
 
         def crc32c(chunks):
