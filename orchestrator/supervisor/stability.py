@@ -143,10 +143,17 @@ class StabilityHook:
         self._cache_written = -math.inf
         # A rollback's restore limit, for the next launch only (the launch consumes it).
         self.resume_max_step: int | None = None
+        self.abandoned_records = 0  # records that arrived after a rollback was decided
 
     # -- the live stream -----------------------------------------------------------------------
     def on_records(self, generation: int, records: list[dict[str, Any]]) -> None:
-        """Feed rank 0's records of ``generation``; journal, count and log what fires."""
+        """Feed rank 0's records of ``generation``; journal, count and log what fires.
+
+        Once a rollback of ``generation`` is pending, its later records belong to the lineage
+        being abandoned (the ranks train on until the stop lands, a heartbeat or two): they
+        still feed the detectors (a restarted supervisor replays them too) but nothing they
+        fire is journaled or acted on, so one divergence is one response (CI once journaled
+        a second spike of generation 1 at step 32, seven steps past the onset)."""
         fired: list[dict[str, Any]] = []
         for raw in records:
             try:
@@ -156,6 +163,9 @@ class StabilityHook:
                                      step=raw.get("step"), error=str(exc))
                 continue
             batch = raw.get("batch")
+            if self.pending is not None and self.pending.generation == generation:
+                self.abandoned_records += 1
+                continue
             for event in events:
                 onset: dict[str, Any] = {}
                 if event.action in _ROLLBACK_ACTIONS:

@@ -231,3 +231,17 @@ def test_a_supervisor_restarted_mid_divergence_still_rolls_back(tmp_path: Path) 
     again.journal.close()
     after = FakeSupervisor(tmp_path)  # the rollback is in the journal: nothing pending
     assert after.stability.pending is None
+
+
+def test_records_after_a_pending_rollback_fire_nothing_more(sup: FakeSupervisor) -> None:
+    # The ranks train on for a heartbeat or two after the rollback is decided: a second
+    # spike in that abandoned stretch is neither journaled nor a second plan.
+    sup.beat(1, records(1, 24) + records(25, 26, {25: 900.0}))
+    plan = sup.stability.pending
+    assert plan is not None
+    sup.beat(1, records(27, 31) + records(32, 32, {32: 5000.0}))
+    spikes = [e for e in read_events(sup.rundir.journal)
+              if e["kind"] == "stability" and e["event"] == "grad_spike"]
+    assert [e["step"] for e in spikes] == [25]
+    # 26 (the rest of the beat that decided it) and 27..32
+    assert sup.stability.pending == plan and sup.stability.abandoned_records == 7
