@@ -1,0 +1,351 @@
+"""Load generator: the real supervisor against N simulated agents speaking the real protocol.
+
+The supervisor runs as ``orchestrator up`` in a subprocess with ``launcher.kind: kubernetes``
+(it waits for agents to register on their own); ``--nodes`` simulated agents
+(``loadgen_agent.SimNode``) run in this one process, with one HTTP session. Once the job is
+RUNNING the scenario injects each fault in ``--faults`` in turn (``crash``: a rank exits 1;
+``hang``: a rank's step stops while its beats go on; ``node_lost``: a node goes silent, and
+comes back once the supervisor has stopped the generation), waits for the relaunch to be
+RUNNING again, and finally stops the job as an operator would. Everything is then read from
+the journal (typed, through ``orchestrator.journal.read_journal``) and from what the agents
+measured:
+
+    registration_s / running_s     supervisor start -> every node registered / RUNNING
+    heartbeat p50 / p99 / max      round trip of a beat as the agent saw it; drops = failed
+    supervisor cpu / rss           psutil on the supervisor's process, sampled every 0.5 s
+    per fault                      detection latency (vs its timeout), stop (STOPPING ->
+                                   RECOVERING), relaunch (STOPPING -> RUNNING), relaunches
+    invariants                     healthy nodes declared LOST (must be 0), relaunches per
+                                   fault (must be 1)
+
+    python bench/loadgen.py --nodes 2048 --procs 8 --runs 3 --out scale-2048x8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen_wire as wire  # noqa: E402
+import psutil  # noqa: E402
+from common import header, write  # noqa: E402
+from loadgen_agent import Net, SimNode, Stats  # noqa: E402
+
+from orchestrator import events as ev  # noqa: E402
+from orchestrator.journal import read_journal  # noqa: E402
+
+FAULTS = ("crash", "hang", "node_lost")
+
+
+def supervisor_cmd(run: Path, a: argparse.Namespace) -> list[str]:
+    sets = {
+        "job.name": "scale", "job.entrypoint": "[simulated]",
+        "cluster.nodes": a.nodes, "cluster.procs_per_node": a.procs,
+        "cluster.spares": a.spares, "launcher.kind": "kubernetes",
+        "health.preflight": "off", "health.after_failure": "off",
+        "timeouts.heartbeat_interval_s": a.heartbeat_s, "timeouts.node_lost_s": a.lost_s,
+        "timeouts.training_floor_s": a.hang_s, "timeouts.stop_grace_s": a.stop_grace_s,
+        "timeouts.stack_dump_wait_s": 5, "timeouts.register_s": a.phase_timeout_s,
+        "timeouts.launch_s": a.phase_timeout_s, "restart.backoff_initial_s": 1,
+        "restart.max_restarts": 20, "metrics.port": 0,
+    }
+    cmd = [sys.executable, "-m", "orchestrator", "up", "--run-dir", str(run)]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    return cmd
+
+
+class Supervised:
+    """The supervisor subprocess: its URL, its state (via /healthz) and its CPU and RSS."""
+
+    def __init__(self, run: Path, a: argparse.Namespace, token: str) -> None:
+        self.run, self.token = run, token
+        env = {**os.environ, "ORCH_TOKEN": token}
+        run.parent.mkdir(parents=True, exist_ok=True)
+        self.out = open(run.parent / "supervisor.out", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(supervisor_cmd(run, a), env=env, stdout=self.out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.ps = psutil.Process(self.proc.pid)
+        self.started = time.time()
+        self.samples: list[tuple[float, float, float]] = []  # wall, cpu s, rss bytes
+        self.url = ""
+
+    async def wait_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        info = self.run / "supervisor.json"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"supervisor exited with {self.proc.returncode}")
+            try:
+                self.url = json.loads(info.read_text())["url"]
+                return self.url
+            except (OSError, ValueError, KeyError):
+                await asyncio.sleep(0.05)
+        raise TimeoutError("the supervisor did not start listening")
+
+    async def sample(self) -> None:
+        while self.proc.poll() is None:
+            try:
+                cpu = self.ps.cpu_times()
+                self.samples.append((time.time(), cpu.user + cpu.system,
+                                     float(self.ps.memory_info().rss)))
+            except psutil.Error:
+                return
+            await asyncio.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.out.close()
+
+
+async def job_state(net: Net) -> str:
+    try:
+        status, data = await net.call("", "GET", "/healthz", 5.0)
+    except (OSError, TimeoutError, asyncio.TimeoutError):
+        return "?"
+    return str(data.get("state")) if status == 200 and isinstance(data, dict) else "?"
+
+
+async def wait_state(net: Net, states: set[str], timeout: float, sup: Supervised) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and sup.proc.poll() is None:
+        if await job_state(net) in states:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+def pick_victim(nodes: list[SimNode], taken: set[str]) -> SimNode:
+    """A live node of the running generation, not the one of rank 0, not used before."""
+    live = [n for n in nodes if n.alive and n.rank_offset != 0 and n.node_id not in taken]
+    live.sort(key=lambda n: n.rank_offset)
+    return live[len(live) // 2]
+
+
+async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
+                   nodes: list[SimNode]) -> dict[str, Any]:
+    out: dict[str, Any] = {"faults": [], "reached_running": False}
+    if not await wait_state(net, {"RUNNING"}, a.phase_timeout_s * 2, sup):
+        return out
+    out["reached_running"] = True
+    taken: set[str] = set()
+    for kind in a.faults:
+        await asyncio.sleep(a.settle_s)
+        victim = pick_victim(nodes, taken)
+        taken.add(victim.node_id)
+        fault: dict[str, Any] = {"kind": kind, "node_id": victim.node_id,
+                                 "rank": victim.rank_offset + 1, "ts": time.time()}
+        if kind == "crash":
+            victim.crash(victim.rank_offset + 1)
+        elif kind == "hang":
+            victim.hang(victim.rank_offset + 1)
+        else:
+            victim.go_silent()
+        left = await wait_state(net, {"STOPPING", "RECOVERING", "HEALTH_CHECK", "LAUNCHING",
+                                      "FAILED"}, a.phase_timeout_s, sup)
+        if kind == "node_lost":
+            victim.heal()  # the partition heals: the node beats again, LOST -> REGISTERED
+        back = left and await wait_state(net, {"RUNNING", "FAILED"}, a.phase_timeout_s * 2,
+                                         sup)
+        fault["relaunched"] = bool(back) and await job_state(net) == "RUNNING"
+        out["faults"].append(fault)
+        if not fault["relaunched"]:
+            break
+    await asyncio.sleep(a.settle_s)
+    out["stop_ts"] = time.time()
+    try:
+        await net.call("", "POST", "/v1/stop", 10.0, json={"reason": "loadgen done"})
+    except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
+        out["stop_error"] = repr(exc)
+    return out
+
+
+async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"loadgen-{a.nodes}x{a.procs}-"))
+    run = root / "run"
+    token = secrets.token_hex(16)
+    load_before = os.getloadavg()
+    sup = Supervised(run, a, token)
+    stats = Stats()
+    try:
+        net_url = await sup.wait_url(60.0)
+        async with Net(net_url, token, stats) as net:
+            sampler = asyncio.create_task(sup.sample())
+            nodes = [SimNode(net, i, a.procs, a.step_s, run / "stacks")
+                     for i in range(a.nodes + a.spares)]
+            agents = [asyncio.create_task(n.run()) for n in nodes]
+            try:
+                result = await asyncio.wait_for(scenario(a, net, sup, nodes), a.run_timeout_s)
+            except TimeoutError:
+                result = {"faults": [], "timed_out": True}
+            for _ in range(int(a.phase_timeout_s * 10)):
+                if sup.proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            for n in nodes:
+                n.stopped.set()
+            await asyncio.gather(*agents, return_exceptions=True)
+            sampler.cancel()
+    finally:
+        sup.kill()
+    result.update(analyse(run, sup, stats, result, a))
+    result.update({"run": index, "run_dir": str(run), "supervisor_rc": sup.proc.returncode,
+                   "load_before": [round(x, 2) for x in load_before],
+                   "load_after": [round(x, 2) for x in os.getloadavg()]})
+    return result
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
+            a: argparse.Namespace) -> dict[str, Any]:
+    envs = list(read_journal(run / "events.jsonl"))
+    start = next((e.ts for e in envs if isinstance(e.event, ev.SupervisorStarted)), sup.started)
+    regs = [e.ts for e in envs if isinstance(e.event, ev.NodeRegistered)]
+    first_reg: dict[str, float] = {}
+    for e in envs:
+        if isinstance(e.event, ev.NodeRegistered):
+            first_reg.setdefault(e.event.node_id, e.ts)
+    trans = [e for e in envs if isinstance(e.event, ev.Transition)]
+    running = [e.ts for e in trans if e.event.to.value == "RUNNING"]
+    lost = [(e.ts, e.event.node_id, e.event.reason) for e in envs
+            if isinstance(e.event, ev.NodeStateChanged) and e.event.state.value == "LOST"]
+    launches = [e.ts for e in envs if isinstance(e.event, ev.GenerationLaunched)]
+    victims = {f["node_id"] for f in res.get("faults", []) if f["kind"] == "node_lost"}
+    faults = []
+    marks = [f["ts"] for f in res.get("faults", [])] + [res.get("stop_ts", float("inf"))]
+    for i, f in enumerate(res.get("faults", [])):
+        t0, t1 = f["ts"], marks[i + 1]
+        stopping = next((e for e in trans if e.ts >= t0 and e.event.to.value == "STOPPING"),
+                        None)
+        item = {"kind": f["kind"], "node_id": f["node_id"], "rank": f["rank"],
+                "relaunched": f["relaunched"],
+                "relaunches": sum(1 for t in launches if t0 <= t < t1)}
+        if stopping is not None:
+            s = stopping.ts
+            rec = next((e.ts for e in trans if e.ts >= s and e.event.to.value == "RECOVERING"),
+                       None)
+            back = next((t for t in running if t >= s), None)
+            cause = stopping.event.cause
+            item.update({"detected_as": cause.value if cause else None,
+                         "detection_s": round(s - t0, 3),
+                         "timeout_s": {"hang": a.hang_s, "node_lost": a.lost_s}.get(f["kind"]),
+                         "stop_s": None if rec is None else round(rec - s, 3),
+                         "relaunch_s": None if back is None else round(back - s, 3)})
+        faults.append(item)
+    lat = stats.beat_latency
+    samples = sup.samples
+    cpu_s = samples[-1][1] - samples[0][1] if len(samples) > 1 else None
+    wall = samples[-1][0] - samples[0][0] if len(samples) > 1 else None
+    ranks_lost = [x for x in lost if x[1] not in victims]
+    return {
+        "nodes": a.nodes, "procs_per_node": a.procs, "spares": a.spares,
+        "registration_s": round(max(first_reg.values()) - start, 3) if first_reg else None,
+        "registered": len(first_reg), "node_registered_events": len(regs),
+        "running_s": round(running[0] - start, 3) if running else None,
+        "heartbeats": len(lat), "heartbeat_drops": stats.beats_failed,
+        "heartbeats_late": stats.beats_late,
+        "heartbeat_p50_ms": _ms(_pct(lat, 0.5)), "heartbeat_p99_ms": _ms(_pct(lat, 0.99)),
+        "heartbeat_max_ms": _ms(max(lat) if lat else None),
+        "supervisor_cpu_s": None if cpu_s is None else round(cpu_s, 2),
+        "supervisor_cpu_pct": None if not wall else round(100 * cpu_s / wall, 1),
+        "supervisor_rss_mb_max": round(max(s[2] for s in samples) / 2**20, 1) if samples
+        else None,
+        "journal_events": len(envs),
+        "healthy_nodes_lost": len(ranks_lost),
+        "healthy_lost_examples": [f"{n}: {r}" for _, n, r in ranks_lost[:5]],
+        "lost_events": len(lost),
+        "generations_launched": len(launches),
+        "stack_files": stats.stack_files, "reregistered_after_404": stats.reregistered_after_404,
+        "register_retries": stats.register_retries, "events_failed": stats.events_failed,
+        "agent_errors": stats.errors[:10],
+        "fault_results": faults,
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 1)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("registration_s", "running_s", "heartbeat_p50_ms", "heartbeat_p99_ms",
+            "heartbeat_max_ms", "heartbeat_drops", "supervisor_cpu_pct",
+            "supervisor_rss_mb_max", "healthy_nodes_lost")
+    out: dict[str, Any] = {}
+    for k in keys:
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    for kind in FAULTS:
+        for k in ("detection_s", "stop_s", "relaunch_s", "relaunches"):
+            vals = [f[k] for r in runs for f in r.get("fault_results", [])
+                    if f["kind"] == kind and f.get(k) is not None]
+            if vals:
+                out[f"{kind}_{k}"] = statistics.median(vals)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2048)
+    ap.add_argument("--procs", type=int, default=8)
+    ap.add_argument("--spares", type=int, default=1)
+    ap.add_argument("--heartbeat-s", type=float, default=1.0)
+    ap.add_argument("--step-s", type=float, default=0.5)
+    ap.add_argument("--hang-s", type=float, default=10.0, help="training timeout floor")
+    ap.add_argument("--lost-s", type=float, default=10.0, help="timeouts.node_lost_s")
+    ap.add_argument("--stop-grace-s", type=float, default=5.0)
+    ap.add_argument("--settle-s", type=float, default=5.0, help="RUNNING before each fault")
+    ap.add_argument("--faults", default=",".join(FAULTS),
+                    help="comma-separated, in order: crash, hang, node_lost (or empty)")
+    ap.add_argument("--phase-timeout-s", type=float, default=120.0)
+    ap.add_argument("--run-timeout-s", type=float, default=900.0)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=None, help="results/<name>.json (default: print only)")
+    ap.add_argument("--json", default=None, help="also write the report to this path")
+    a = ap.parse_args()
+    a.faults = [f for f in a.faults.split(",") if f]
+    unknown = set(a.faults) - set(FAULTS)
+    if unknown:
+        ap.error(f"unknown fault(s): {sorted(unknown)}")
+    wire.check_messages()
+    runs = []
+    for i in range(a.runs):
+        runs.append(asyncio.run(one_run(a, i)))
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "agent_errors"}),
+              flush=True)
+    report = {**header(a.device), "cpus": os.cpu_count(),
+              "affinity": sorted(os.sched_getaffinity(0)),
+              "params": {k: v for k, v in vars(a).items() if k not in ("out", "json")},
+              "runs_done": len(runs), "median": summarize(runs), "runs": runs}
+    if a.out:
+        print(f"wrote {write(Path(a.out).name, report)}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(json.dumps(report["median"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

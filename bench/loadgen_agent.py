@@ -1,0 +1,342 @@
+"""One simulated node agent of the load generator, speaking the real control protocol.
+
+It does what ``orchestrator.agent.Agent`` does on the wire, without processes: registers
+(again after a 404), beats every ``heartbeat_interval_s`` with its ranks' advancing steps
+(the node of rank 0 also sends step records), long-polls its assignment and reconciles it
+(``run``: report ``ranks_started``; ``stop``/``idle``/``exit``: one ``rank_exit`` per live
+rank then ``ranks_stopped``), writes a stack file for every SIGUSR1 order (as faulthandler
+would) and sends its events in batches. Faults are set on it by the scenario: a rank whose
+training thread hangs (beats go on, the step stops), a rank that crashes, a node that goes
+silent (and comes back when ``heal`` is called).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import loadgen_wire as wire
+
+# A rank starts in ``init`` and reaches ``training`` this long after its start (imports,
+# rendezvous); its steps then advance every ``step_s``.
+_INIT_S = 1.0
+# The agent's own timeouts (as orchestrator.agent.agent): heartbeat 5 s, long-poll 20 s.
+_BEAT_TIMEOUT_S = 5.0
+_POLL_S = 20
+
+
+@dataclass
+class Stats:
+    """What every simulated agent adds to, read by the generator at the end."""
+
+    beat_latency: list[float] = field(default_factory=list)
+    beats_failed: int = 0
+    beats_late: int = 0  # a beat loop that woke more than one interval late
+    registrations: int = 0
+    register_retries: int = 0
+    registered_at: dict[str, float] = field(default_factory=dict)
+    reregistered_after_404: int = 0
+    events_failed: int = 0
+    stack_files: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def error(self, text: str) -> None:
+        if len(self.errors) < 50:
+            self.errors.append(text)
+
+
+class Net:
+    """The shared HTTP session, the supervisor's URL and the job's token."""
+
+    def __init__(self, url: str, token: str, stats: Stats) -> None:
+        self.url, self.token, self.stats = url.rstrip("/"), token, stats
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Net:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def call(self, node_id: str, method: str, path: str, timeout: float,
+                   **kwargs: Any) -> tuple[int, Any]:
+        assert self.session is not None
+        async with self.session.request(
+                method, self.url + path, headers=wire.auth_headers(self.token, node_id),
+                timeout=aiohttp.ClientTimeout(total=timeout), **kwargs) as resp:
+            if resp.status >= 400:
+                return resp.status, await resp.text()
+            return resp.status, await resp.json()
+
+
+class SimNode:
+    def __init__(self, net: Net, index: int, procs: int, step_s: float, stacks: Path) -> None:
+        self.net, self.stats = net, net.stats
+        self.node_id = f"node-{index:05d}"
+        self.procs, self.step_s, self.stacks = procs, step_s, stacks
+        self.pid = 100_000 + index * 16
+        self.version = 0
+        self.beat_s = 1.0
+        self.registered = asyncio.Event()
+        self.generation: int | None = None
+        self.rank_offset = 0
+        self.alive = False
+        self.started_at = 0.0
+        self.frozen: dict[int, int] = {}  # rank -> step it hangs at
+        self.crash_rank: int | None = None
+        self.silent = False
+        self._healed = asyncio.Event()
+        self._sent_step = -1
+        self._events: list[dict[str, Any]] = []
+        self._events_ready = asyncio.Event()
+        self._done_signals: set[int] = set()
+        self.stopped = asyncio.Event()
+
+    # -- faults (called by the scenario) ------------------------------------------------------
+    def hang(self, rank: int) -> None:
+        self.frozen[rank] = self._step(time.time()) or 0
+
+    def crash(self, rank: int) -> None:
+        if self.alive:
+            self._queue(wire.rank_exit(self.generation or 0, rank, self.pid + rank % 16, 1,
+                                       None, ["simulated crash: exit code 1"]))
+            self.crash_rank = rank
+
+    def go_silent(self) -> None:
+        """The node drops off the network; its ranks die with it."""
+        self.silent, self.alive = True, False
+        self._healed.clear()
+
+    def heal(self) -> None:
+        self.silent = False
+        self._healed.set()
+
+    # -- main ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(c) for c in (self._register_loop(), self._beat_loop(),
+                                                   self._poll_loop(), self._event_loop())]
+        try:
+            await self.stopped.wait()
+            await self._flush_events()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _quiet(self) -> None:
+        while self.silent:
+            await self._healed.wait()
+
+    async def _register_loop(self) -> None:
+        while not self.stopped.is_set():
+            if self.registered.is_set():
+                await asyncio.sleep(0.5)
+                continue
+            await self._quiet()
+            body = wire.register(self.node_id, self.procs, self.pid, self._port(),
+                                 self.generation if self.alive else None, self.version,
+                                 self._infos(time.time()) if self.alive else [])
+            try:
+                status, data = await self.net.call(self.node_id, "POST", "/v1/register", 30.0,
+                                                   json=body)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.stats.register_retries += 1
+                self.stats.error(f"register {self.node_id}: {type(exc).__name__}")
+                await asyncio.sleep(0.5)
+                continue
+            if status != 200:
+                self.stats.register_retries += 1
+                self.stats.error(f"register {self.node_id}: HTTP {status} {str(data)[:200]}")
+                await asyncio.sleep(1.0)
+                continue
+            self.beat_s = wire.parse_register_response(data).heartbeat_interval_s
+            self.stats.registrations += 1
+            self.stats.registered_at.setdefault(self.node_id, time.time())
+            self.registered.set()
+
+    def _port(self) -> int | None:
+        return None if self.alive else 20_000 + int(self.node_id[5:]) % 40_000
+
+    def _step(self, now: float) -> int | None:
+        trained = now - self.started_at - _INIT_S
+        return None if trained < 0 else int(trained / self.step_s)
+
+    def _infos(self, now: float) -> list[dict[str, Any]]:
+        step = self._step(now)
+        infos = []
+        for local in range(self.procs):
+            rank = self.rank_offset + local
+            s = self.frozen.get(rank, step)
+            last = None if s is None else self.started_at + _INIT_S + s * self.step_s
+            infos.append(wire.rank_info(
+                rank, local, self.pid + local, alive=self.alive and rank != self.crash_rank,
+                step=s, phase="init" if s is None else "training", last_step_ts=last,
+                beat_ts=now, interval_max=None if s is None else self.step_s))
+        return infos
+
+    def _records(self, now: float) -> list[dict[str, Any]]:
+        if self.rank_offset != 0 or not self.alive:
+            return []
+        step = self.frozen.get(0, self._step(now))
+        if step is None or step <= self._sent_step:
+            return []
+        first = max(self._sent_step + 1, step - 50)
+        self._sent_step = step
+        base = self.started_at + _INIT_S
+        return [wire.step_record(s, base + s * self.step_s, self.step_s, (s + 1) * 4096)
+                for s in range(first, step + 1)]
+
+    async def _beat_loop(self) -> None:
+        await self.registered.wait()
+        # Spread the beats over the interval, as real agents started at different times are.
+        await asyncio.sleep((int(self.node_id[5:]) * 0.618) % 1.0 * self.beat_s)
+        due = time.monotonic()
+        while not self.stopped.is_set():
+            due += self.beat_s
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if time.monotonic() - due > self.beat_s:
+                self.stats.beats_late += 1
+                due = time.monotonic()
+            if self.silent:
+                await self._quiet()
+                due = time.monotonic()
+                continue
+            if not self.registered.is_set():
+                continue
+            now = time.time()
+            body = wire.heartbeat(self.node_id, self.generation if self.alive else None,
+                                  self._port(), self._infos(now) if self.alive else [],
+                                  self._records(now))
+            t0 = time.monotonic()
+            try:
+                status, data = await self.net.call(self.node_id, "POST", "/v1/heartbeat",
+                                                   _BEAT_TIMEOUT_S, json=body)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.stats.beats_failed += 1
+                self.stats.error(f"heartbeat {self.node_id}: {type(exc).__name__}")
+                continue
+            self.stats.beat_latency.append(time.monotonic() - t0)
+            if status == 404:
+                self.stats.reregistered_after_404 += 1
+                self.registered.clear()
+            elif status != 200:
+                self.stats.beats_failed += 1
+                self.stats.error(f"heartbeat {self.node_id}: HTTP {status} {str(data)[:200]}")
+
+    async def _poll_loop(self) -> None:
+        while not self.stopped.is_set():
+            await self.registered.wait()
+            await self._quiet()
+            try:
+                status, data = await self.net.call(
+                    self.node_id, "GET", "/v1/assignment", _POLL_S + 10.0,
+                    params={"node_id": self.node_id, "after": self.version,
+                            "timeout": _POLL_S})
+            except (aiohttp.ClientError, TimeoutError):
+                await asyncio.sleep(0.5)
+                continue
+            if self.silent:
+                continue  # the answer was lost with the network
+            if status == 404:
+                self.registered.clear()
+                continue
+            if status != 200:
+                self.stats.error(f"poll {self.node_id}: HTTP {status} {str(data)[:200]}")
+                await asyncio.sleep(0.5)
+                continue
+            assignment = wire.parse_assignment(data)
+            if assignment is not None and assignment.version > self.version:
+                self._reconcile(assignment)
+
+    def _reconcile(self, a: Any) -> None:
+        self.version = a.version
+        for order in a.signals:
+            if order.id in self._done_signals:
+                continue
+            self._done_signals.add(order.id)
+            if order.signal == "SIGUSR1" and self.alive and self.generation is not None:
+                path = self.stacks / f"gen{self.generation:04d}-rank{order.rank:05d}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"Thread 0x0 (most recent call first):\n  simulated rank "
+                                f"{order.rank} of {self.node_id}\n")
+                self.stats.stack_files += 1
+        if a.action == "run" and (a.generation != self.generation or not self.alive):
+            self._stop(report=False)
+            self._start(a)
+        elif a.action == "stop":
+            self._stop(report=True, generation=a.generation)
+        elif a.action == "idle" and self.alive:
+            self._stop(report=True, generation=self.generation)
+        elif a.action == "exit":
+            self._stop(report=True, generation=self.generation)
+            self.stopped.set()
+
+    def _start(self, a: Any) -> None:
+        self.generation, self.rank_offset = a.generation, a.rank_offset
+        self.started_at, self.alive = time.time(), True
+        self.frozen, self.crash_rank, self._sent_step = {}, None, -1
+        infos = [wire.rank_info(self.rank_offset + i, i, self.pid + i, phase="init")
+                 for i in range(a.nproc or self.procs)]
+        self._queue(wire.ranks_started(a.generation or 0, infos))
+
+    def _stop(self, report: bool, generation: int | None = None) -> None:
+        if self.alive:
+            for local in range(self.procs):
+                rank = self.rank_offset + local
+                if rank != self.crash_rank:
+                    self._queue(wire.rank_exit(self.generation or 0, rank, self.pid + local,
+                                               None, "SIGTERM", []))
+            self.alive = False
+        if report and generation is not None:
+            self._queue(wire.ranks_stopped(generation, self._port()))
+
+    # -- events -------------------------------------------------------------------------------
+    def _queue(self, event: dict[str, Any]) -> None:
+        self._events.append(event)
+        self._events_ready.set()
+
+    async def _event_loop(self) -> None:
+        while not self.stopped.is_set():
+            await self._events_ready.wait()
+            await self.registered.wait()
+            await self._quiet()
+            if not await self._send_events():
+                await asyncio.sleep(0.3)
+
+    async def _send_events(self) -> bool:
+        batch = self._events[:500]
+        if not batch:
+            self._events_ready.clear()
+            return True
+        try:
+            status, data = await self.net.call(self.node_id, "POST", "/v1/events", 10.0,
+                                               json=wire.events(self.node_id, batch))
+        except (aiohttp.ClientError, TimeoutError):
+            self.stats.events_failed += 1
+            return False
+        if status == 404:
+            self.registered.clear()
+            return False
+        if status != 200:
+            self.stats.events_failed += 1
+            self.stats.error(f"events {self.node_id}: HTTP {status} {str(data)[:200]}")
+            if status == 422:
+                del self._events[:len(batch)]
+            return False
+        del self._events[:len(batch)]
+        if not self._events:
+            self._events_ready.clear()
+        return True
+
+    async def _flush_events(self) -> None:
+        deadline = time.monotonic() + 3.0
+        while self._events and time.monotonic() < deadline and not self.silent:
+            if not await self._send_events():
+                await asyncio.sleep(0.2)
