@@ -39,13 +39,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import loadgen_wire as wire  # noqa: E402
-import psutil  # noqa: E402
-from common import header, write  # noqa: E402
-from loadgen_agent import Net, SimNode, Stats  # noqa: E402
+import loadgen_wire as wire
+import psutil
+from common import header, write
+from loadgen_agent import Net, SimNode, Stats
 
-from orchestrator import events as ev  # noqa: E402
-from orchestrator.journal import read_journal  # noqa: E402
+from orchestrator import events as ev
+from orchestrator.journal import read_journal
 
 FAULTS = ("crash", "hang", "node_lost")
 
@@ -81,6 +81,8 @@ class Supervised:
         self.ps = psutil.Process(self.proc.pid)
         self.started = time.time()
         self.samples: list[tuple[float, float, float]] = []  # wall, cpu s, rss bytes
+        self.own: list[tuple[float, float]] = []  # the generator's own wall, cpu s
+        self.me = psutil.Process()
         self.url = ""
 
     async def wait_url(self, timeout: float) -> str:
@@ -102,6 +104,8 @@ class Supervised:
                 cpu = self.ps.cpu_times()
                 self.samples.append((time.time(), cpu.user + cpu.system,
                                      float(self.ps.memory_info().rss)))
+                mine = self.me.cpu_times()
+                self.own.append((time.time(), mine.user + mine.system))
             except psutil.Error:
                 return
             await asyncio.sleep(0.5)
@@ -116,7 +120,7 @@ class Supervised:
 async def job_state(net: Net) -> str:
     try:
         status, data = await net.call("", "GET", "/healthz", 5.0)
-    except (OSError, TimeoutError, asyncio.TimeoutError):
+    except (OSError, TimeoutError):
         return "?"
     return str(data.get("state")) if status == 200 and isinstance(data, dict) else "?"
 
@@ -170,7 +174,7 @@ async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
     out["stop_ts"] = time.time()
     try:
         await net.call("", "POST", "/v1/stop", 10.0, json={"reason": "loadgen done"})
-    except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
+    except (OSError, TimeoutError) as exc:
         out["stop_error"] = repr(exc)
     return out
 
@@ -269,6 +273,8 @@ def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
         "heartbeat_max_ms": _ms(max(lat) if lat else None),
         "supervisor_cpu_s": None if cpu_s is None else round(cpu_s, 2),
         "supervisor_cpu_pct": None if not wall else round(100 * cpu_s / wall, 1),
+        "loadgen_cpu_pct": round(100 * (sup.own[-1][1] - sup.own[0][1]) / wall, 1)
+        if wall else None,
         "supervisor_rss_mb_max": round(max(s[2] for s in samples) / 2**20, 1) if samples
         else None,
         "journal_events": len(envs),

@@ -220,7 +220,7 @@ class SimNode:
                                                    _BEAT_TIMEOUT_S, json=body)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.stats.beats_failed += 1
-                self.stats.error(f"heartbeat {self.node_id}: {type(exc).__name__}")
+                self.stats.error(f"heartbeat {self.node_id}: {type(exc).__name__} {exc}")
                 continue
             self.stats.beat_latency.append(time.monotonic() - t0)
             if status == 404:
@@ -318,8 +318,9 @@ class SimNode:
         try:
             status, data = await self.net.call(self.node_id, "POST", "/v1/events", 10.0,
                                                json=wire.events(self.node_id, batch))
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self.stats.events_failed += 1
+            self.stats.error(f"events {self.node_id}: {type(exc).__name__} {exc}")
             return False
         if status == 404:
             self.registered.clear()

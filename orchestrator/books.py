@@ -210,9 +210,12 @@ class Books:
         elif isinstance(e, ev.RankExited) and (e.exit_code or e.signal) \
                 and self._window_open_for(e.generation):
             # Exits after the stop decision are our own SIGTERMs, not the failure.
-            gen = self._gen(e.generation)
-            exit_ts = e.exit_ts if e.exit_ts is not None else ts
-            gen.exit_ts = exit_ts if gen.exit_ts is None else min(gen.exit_ts, exit_ts)
+            self._on_failing_exit(e.generation, e.exit_ts if e.exit_ts is not None else ts)
+        elif isinstance(e, ev.RanksExited) and self._window_open_for(e.generation):
+            for x in e.exits:  # a node's exits journaled together: the same rule per rank
+                if x.exit_code or x.signal:
+                    self._on_failing_exit(e.generation, x.exit_ts if x.exit_ts is not None
+                                          else ts)
         elif isinstance(e, ev.Failure) and e.generation is not None:
             self._gen(e.generation).failure_ckpt = e.newest_checkpoint_step or 0
         elif isinstance(e, ev.CheckpointCommitted):
@@ -239,6 +242,10 @@ class Books:
             open_window.close_cause = cause
         if to in _TERMINAL:
             self.end_ts = ts
+
+    def _on_failing_exit(self, generation: int, exit_ts: float) -> None:
+        gen = self._gen(generation)
+        gen.exit_ts = exit_ts if gen.exit_ts is None else min(gen.exit_ts, exit_ts)
 
     def _window_open_for(self, generation: Any) -> bool:
         w = self.windows[-1] if self.windows else None

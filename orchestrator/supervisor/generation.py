@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from orchestrator import events as ev
@@ -26,8 +27,13 @@ from orchestrator.supervisor.stability import StabilityHook
 
 # How often the observe loop wakes without news, to check silences and timeouts.
 TICK_S = 0.2
-# The agents confirm a stop within the ranks' grace; this much more covers the round trips.
+# The agents confirm a stop within the ranks' grace; this much more covers the round trips
+# (at least 5 s; 5 ms per node waited on beyond 1,000 nodes: 2,048 confirmations are 2,048
+# requests for the supervisor to take in).
 _STOP_CONFIRM_EXTRA_S = 5.0
+_STOP_CONFIRM_PER_NODE_S = 0.005
+# The observe and stop loops take at most this many queued observations per round.
+_BATCH = 4096
 
 
 class GenerationParts:
@@ -130,21 +136,30 @@ class GenerationParts:
         while True:
             if self.stop_requested.is_set():
                 return Outcome(Cause.OPERATOR, {})
-            try:
-                obs: Observation | None = await clock.wait_for(intake.queue.get(), TICK_S)
-            except TimeoutError:
-                obs = None
-            outcome = intake.judge(generation, obs)
+            outcome = intake.judge_batch(generation, await self._next_batch())
+            # Every rank started within the batch that also ends the generation: it ran.
+            if self.ctx.view.state is JobState.LAUNCHING and intake.all_started(generation):
+                self._transition(JobState.RUNNING)
             if outcome is not None:
                 return outcome if outcome.cause is not Cause.COMPLETED else None
             if self.ctx.view.state is JobState.LAUNCHING:
-                if intake.all_started(generation):
-                    self._transition(JobState.RUNNING)
-                elif clock.monotonic() > launch_deadline:
+                if clock.monotonic() > launch_deadline:
                     return Outcome(Cause.WORKER_EXIT if not adopting else Cause.NODE_LOST,
                                    {"message": "ranks did not start within "
                                                f"{self.cfg.timeouts.launch_s:.0f} s"})
             await intake.tick(generation)
+
+    async def _next_batch(self) -> list[Observation]:
+        """What is queued (waiting up to one tick for the first): judged as one batch, so
+        silences and hangs are checked once per batch, not once per observation."""
+        queue = self.intake.queue
+        try:
+            batch = [await self.ctx.clock.wait_for(queue.get(), TICK_S)]
+        except TimeoutError:
+            return []
+        while len(batch) < _BATCH and not queue.empty():
+            batch.append(queue.get_nowait())
+        return batch
 
     async def adopt(self, generation: int) -> Outcome | None:
         """After a supervisor restart mid-run: re-attach to the running generation.
@@ -190,20 +205,22 @@ class GenerationParts:
         for node in self.nodes.active():
             if node.node_rank is None or node.state is not NodeState.ACTIVE:
                 continue
-            for local in range(ppn):
-                rank = node.node_rank * ppn + local
-                await self.nodes.send_signal(node.node_id, rank, "SIGUSR1")
-                await self.nodes.send_signal(node.node_id, rank, "SIGCONT")
+            ranks = range(node.node_rank * ppn, (node.node_rank + 1) * ppn)
+            # One assignment change per node carries all its ranks' orders.
+            await self.nodes.send_signals(node.node_id, [
+                *((r, "SIGUSR1") for r in ranks), *((r, "SIGCONT") for r in ranks)])
         stacks = self.ctx.rundir.stacks
         wanted = [stacks / f"gen{generation:04d}-rank{r:05d}.txt"
                   for r in range(self.cfg.cluster.world_size)]
         clock = self.ctx.clock
         deadline = clock.monotonic() + self.cfg.timeouts.stack_dump_wait_s
+        missing = list(wanted)
         while clock.monotonic() < deadline:
-            if all(p.exists() and p.stat().st_size > 0 for p in wanted):
+            missing = [p for p in missing if not _written(p)]  # only the rest is looked at
+            if not missing:
                 break
             await clock.sleep(0.1)
-        found = [str(p) for p in wanted if p.exists() and p.stat().st_size > 0]
+        found = [str(p) for p in wanted if _written(p)]
         self.ctx.log.warning("hang: stacks dumped", files=len(found), of=len(wanted),
                              dir=str(stacks))
         return found
@@ -216,18 +233,25 @@ class GenerationParts:
         for node in waiting:
             await nodes.assign(node.node_id, action="stop", generation=generation)
         clock = self.ctx.clock
-        deadline = clock.monotonic() + self.cfg.timeouts.stop_grace_s + _STOP_CONFIRM_EXTRA_S
+        deadline = clock.monotonic() + self.cfg.timeouts.stop_grace_s + max(
+            _STOP_CONFIRM_EXTRA_S, _STOP_CONFIRM_PER_NODE_S * len(waiting))
+        pending = waiting
         while clock.monotonic() < deadline:
             self.intake.mark_silent_nodes_lost()
-            pending = [n for n in waiting if n.state is NodeState.ACTIVE
+            # Confirmations mark their node as they arrive (Intake.on_events); the queue is
+            # drained here only to journal what the agents said.
+            pending = [n for n in pending if n.state is NodeState.ACTIVE
                        and n.stopped_generation != generation]
             if not pending:
                 return
-            try:
-                obs = await clock.wait_for(self.intake.queue.get(), TICK_S)
-                self.intake.judge(generation, obs)
-            except TimeoutError:
-                pass
+            self.intake.judge_batch(generation, await self._next_batch())
         for node in waiting:
             if node.stopped_generation != generation and node.state is NodeState.ACTIVE:
                 nodes.move(node, NodeState.LOST, reason="did not confirm the stop in time")
+
+
+def _written(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False

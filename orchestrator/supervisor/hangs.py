@@ -88,6 +88,18 @@ def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTime
     return float(getattr(cfg.phases, phase or "init", None) or cfg.phases.init)
 
 
+def any_overdue(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
+                now: float) -> bool:
+    """Whether any rank is past its phase's timeout, from the rank idle longest in each
+    phase (O(phases), not O(ranks)): ``find_hangs`` then names and orders the suspects."""
+    training.observe(gen.interval_max)
+    for phase, idle in gen.idle.items():
+        oldest = idle.oldest()
+        if oldest is not None and now - oldest[1] > phase_timeout(cfg, phase, training):
+            return True
+    return False
+
+
 def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
                now: float) -> list[Suspect]:
     """Ranks past their phase's timeout, the first to stop progressing first.

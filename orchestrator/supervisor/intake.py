@@ -4,6 +4,12 @@ The API server hands every agent message to ``Intake``: registrations and heartb
 the node registry and the progress tracker at once; rank exits, starts, stops and worker
 events go onto a queue that the supervisor's observe loop drains through ``judge``, which
 turns them into a generation's outcome (completed, or failed with a cause).
+
+Sized for 2,048 nodes x 8 ranks: the exits of one node that arrive in one batch are one
+observation and one ``ranks_exited`` journal event; a stop confirmation marks its node at
+once (the stop does not wait for the queue to reach it); a registration retry that changes
+nothing is not journaled again; silences and hangs are checked once per batch of
+observations, from the oldest node and rank only (``deadlines``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from orchestrator.protocol import (
 from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.chaos import ChaosDriver
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
+from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 from orchestrator.supervisor.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
@@ -41,7 +47,7 @@ from orchestrator.supervisor.stability import StabilityHook
 
 @dataclass(frozen=True)
 class Observation:
-    kind: str  # exit | started | stopped | worker
+    kind: str  # exit | exits (a list of one node's RankExit) | started | stopped | worker
     node_id: str
     payload: Any
 
@@ -70,6 +76,7 @@ class Intake:
         self.generation: int | None = None
         self.world_size = 0
         self.started: dict[str, list[int]] = {}
+        self._started_count = 0  # sum of len(started[...]), kept as it changes
         self.exits: dict[int, dict[str, Any]] = {}
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
         self.running_since: float | None = None
@@ -78,6 +85,10 @@ class Intake:
 
     # -- messages from agents (called by the API server) ------------------------------------
     def on_register(self, req: RegisterRequest) -> RegisterResponse:
+        before = self.nodes.nodes.get(req.node_id)
+        same = before is not None and before.usable and \
+            (before.host, before.addr, before.procs, before.agent_pid, before.generation) == \
+            (req.host, req.addr, req.procs, req.agent_pid, req.generation)
         node, known = self.nodes.register(req)
         if req.assignment_version > node.assignment.version:
             node.assignment = node.assignment.model_copy(
@@ -92,13 +103,15 @@ class Intake:
         if req.generation is not None and req.generation == self.generation:
             # Re-registration mid-generation (supervisor restart, network blip): the ranks
             # it reports alive count as started; exits it holds arrive as queued events.
-            self.started[req.node_id] = [r.rank for r in req.ranks]
-        self.ctx.record(ev.NodeRegistered(
-            node_id=req.node_id, host=req.host[:256], addr=req.addr[:256], procs=req.procs,
-            agent_pid=req.agent_pid, reregistered=known, running_generation=req.generation))
-        self.ctx.log.info("node registered", node=req.node_id, host=req.host,
-                          procs=req.procs, running_generation=req.generation)
-        self.nodes.sync_counts()
+            self._set_started(req.node_id, [r.rank for r in req.ranks])
+        if not same:  # a retry of a registration that already counted is not news
+            self.ctx.record(ev.NodeRegistered(
+                node_id=req.node_id, host=req.host[:256], addr=req.addr[:256],
+                procs=req.procs, agent_pid=req.agent_pid, reregistered=known,
+                running_generation=req.generation))
+            self.ctx.log.info("node registered", node=req.node_id, host=req.host,
+                              procs=req.procs, running_generation=req.generation)
+            self.nodes.sync_counts()
         return RegisterResponse(node_id=req.node_id, job=self.cfg.job.name,
                                 config=self.cfg.model_dump(mode="json"),
                                 heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s)
@@ -118,15 +131,33 @@ class Intake:
         return {"assignment_version": node.assignment.version}
 
     def on_events(self, batch: EventBatch) -> None:
-        if batch.node_id not in self.nodes.nodes:
+        node = self.nodes.nodes.get(batch.node_id)
+        if node is None:
             raise UnknownNode(batch.node_id)
+        exits: list[RankExit] = []  # consecutive exits of one generation: one observation
         for event in batch.events:
-            if isinstance(event, HealthReport):  # the health round waits on these itself
+            if exits and not (isinstance(event, RankExit)
+                              and event.generation == exits[0].generation):
+                self.queue.put_nowait(Observation("exits", batch.node_id, exits))
+                exits = []
+            if isinstance(event, RankExit):
+                exits.append(event)
+            elif isinstance(event, HealthReport):  # the health round waits on these itself
                 self._health_report(batch.node_id, event, self.ctx.clock.time())
-                continue
-            kind = {RankExit: "exit", RanksStarted: "started", RanksStopped: "stopped",
-                    WorkerEvent: "worker"}[type(event)]
-            self.queue.put_nowait(Observation(kind, batch.node_id, event))
+            else:
+                if isinstance(event, RanksStopped):
+                    self._stop_confirmed(node, event)  # the stop waits on this, not the queue
+                kind = {RanksStarted: "started", RanksStopped: "stopped",
+                        WorkerEvent: "worker"}[type(event)]
+                self.queue.put_nowait(Observation(kind, batch.node_id, event))
+        if exits:
+            self.queue.put_nowait(Observation("exits", batch.node_id, exits))
+
+    @staticmethod
+    def _stop_confirmed(node: NodeRecord, msg: RanksStopped) -> None:
+        node.stopped_generation = msg.generation
+        if msg.free_port:
+            node.free_port = msg.free_port
 
     async def poll_assignment(self, node_id: str, after: int,
                               timeout: float) -> Assignment | None:
@@ -137,7 +168,7 @@ class Intake:
     # -- generations -------------------------------------------------------------------------
     def begin_generation(self, generation: int, world_size: int, adopting: bool = False) -> None:
         self.generation, self.world_size = generation, world_size
-        self.started, self.exits = {}, {}
+        self.started, self.exits, self._started_count = {}, {}, 0
         self.running_since = None
         known = adopting and generation in self.ctx.view.first_steps
         self.progress.start_generation(generation, world_size, first_step_known=known)
@@ -153,8 +184,11 @@ class Intake:
                 self.nodes.move(node, NodeState.SPARE, node_rank=None)
 
     def all_started(self, generation: int) -> bool:
-        return generation == self.generation and \
-            sum(len(r) for r in self.started.values()) >= self.world_size
+        return generation == self.generation and self._started_count >= self.world_size
+
+    def _set_started(self, node_id: str, ranks: list[int]) -> None:
+        self._started_count += len(ranks) - len(self.started.get(node_id, ()))
+        self.started[node_id] = ranks
 
     def mark_silent_nodes_lost(self) -> list[NodeRecord]:
         lost = self.nodes.mark_silent_lost(self.cfg.timeouts.node_lost_s)
@@ -165,7 +199,15 @@ class Intake:
 
     def judge(self, generation: int, obs: Observation | None) -> Outcome | None:
         """Fold one observation (or a quiet tick) into the generation's outcome, if any."""
-        outcome = self._observe(generation, obs) if obs is not None else None
+        return self.judge_batch(generation, [] if obs is None else [obs])
+
+    def judge_batch(self, generation: int, batch: list[Observation]) -> Outcome | None:
+        """Fold every observation of ``batch`` (the first outcome wins; later ones are
+        still journaled), then check silences and hangs once for the whole batch."""
+        outcome = None
+        for obs in batch:
+            result = self._observe(generation, obs)
+            outcome = outcome or result
         # A pending rollback outranks whatever else this observation says (a rank that died
         # of a NaN, or even completion): the lineage diverged and must be rolled back.
         divergence = self.stability.divergence(generation)
@@ -185,6 +227,9 @@ class Intake:
         gen = self.progress.current
         if gen is None or gen.generation != generation or \
                 self.ctx.view.state not in (JobState.LAUNCHING, JobState.RUNNING):
+            return None
+        now = self.ctx.clock.monotonic()
+        if not any_overdue(gen, self.cfg.timeouts, self.training_timeout, now):
             return None
         suspects = find_hangs(gen, self.cfg.timeouts, self.training_timeout,
                               self.ctx.clock.monotonic())
@@ -207,37 +252,63 @@ class Intake:
     def _observe(self, generation: int, obs: Observation) -> Outcome | None:
         msg = obs.payload
         if obs.kind == "stopped":
-            node = self.nodes.nodes[obs.node_id]
-            node.stopped_generation = msg.generation
-            if msg.free_port:
-                node.free_port = msg.free_port
+            self._stop_confirmed(self.nodes.nodes[obs.node_id], msg)
             self.ctx.record(ev.RanksStopped(node_id=obs.node_id, generation=msg.generation))
             return None
+        if obs.kind == "exits":
+            return self._exits(generation, obs.node_id, msg)
         if obs.kind == "worker":
             self._worker_event(obs.node_id, msg)
             return None
         if msg.generation != generation:
             return None  # a straggler from a generation already handled
         if obs.kind == "started":
-            self.started[obs.node_id] = [r.rank for r in msg.ranks]
+            self._set_started(obs.node_id, [r.rank for r in msg.ranks])
             self.ctx.record(ev.RanksStarted(
                 node_id=obs.node_id, generation=generation,
                 ranks=[ev.RankPid(rank=r.rank, pid=r.pid) for r in msg.ranks]))
             return None
         # a rank exit
+        info = self._take_exit(obs.node_id, msg)
+        if info is None:
+            return None
+        self.ctx.record(ev.RankExited(generation=generation, exit_ts=msg.ts,
+                                      **{k: v for k, v in info.items() if k != "ts"}))
+        return self._exit_outcome(info)
+
+    def _exits(self, generation: int, node_id: str, msgs: list[RankExit]) -> Outcome | None:
+        """A node's exits that arrived together: one ``ranks_exited`` event; the outcome
+        is that of the first failing exit (or completion once every rank exited 0)."""
+        if msgs[0].generation != generation:
+            return None  # stragglers from a generation already handled
+        taken = [(m, info) for m in msgs if (info := self._take_exit(node_id, m)) is not None]
+        if not taken:
+            return None
+        self.ctx.record(ev.RanksExited(generation=generation, node_id=node_id, exits=[
+            ev.RankExit(exit_ts=m.ts, **{k: v for k, v in info.items()
+                                        if k not in ("ts", "node_id")})
+            for m, info in taken]))
+        outcome = None
+        for _, info in taken:
+            outcome = outcome or self._exit_outcome(info)
+        return outcome
+
+    def _take_exit(self, node_id: str, msg: RankExit) -> dict[str, Any] | None:
+        """Note a rank's first exit in this generation (None: a repeat, or not our rank)."""
         if msg.rank in self.exits or not 0 <= msg.rank < self.world_size:
             return None
-        exit_info = {"rank": msg.rank, "node_id": obs.node_id, "pid": msg.pid,
+        exit_info = {"rank": msg.rank, "node_id": node_id, "pid": msg.pid,
                      "exit_code": msg.exit_code, "signal": msg.signal, "ts": msg.ts,
                      "log_tail": [line[:2048] for line in msg.log_tail[-200:]]}
         error = getattr(msg, "error", None)
         if error:
             exit_info["error"] = error
         self.exits[msg.rank] = exit_info
-        self.ctx.record(ev.RankExited(generation=generation, exit_ts=msg.ts,
-                                      **{k: v for k, v in exit_info.items() if k != "ts"}))
-        if msg.exit_code != 0 or msg.signal:
-            return Outcome(Cause.WORKER_EXIT, exit_info)
+        return exit_info
+
+    def _exit_outcome(self, info: dict[str, Any]) -> Outcome | None:
+        if info["exit_code"] != 0 or info["signal"]:
+            return Outcome(Cause.WORKER_EXIT, info)
         if len(self.exits) >= self.world_size and all(
                 e["exit_code"] == 0 and not e["signal"] for e in self.exits.values()):
             return Outcome(Cause.COMPLETED, {})
@@ -322,17 +393,21 @@ class Intake:
                "newest_checkpoint_step": self.ctx.view.newest_checkpoint_step,
                "last_step": self.progress.current.last_step if self.progress.current else None,
                "other_exits": [{k: e[k] for k in ("rank", "exit_code", "signal")}
-                               for e in failing[1:]]}
+                               for e in failing[1:_MAX_LISTED + 1]]}
         if root.get("error"):
             out["error"] = root["error"]
-        for key in ("suspects", "stacks"):
+        for key in ("suspects", "stacks"):  # the first ones; every stack file is in stacks/
             if key in detail:
-                out[key] = detail[key]
+                out[key] = detail[key][:_MAX_LISTED]
         node = self.nodes.nodes.get(out["node_id"] or "")
         if node is not None:
             node.failure_times.append(self.ctx.clock.time())
         return out
 
+
+# A failure lists this many other exits, suspects and stack files at most (at 2,048 x 8 a
+# stop's SIGTERMs are 16k "other exits"): the earliest, which are the ones that explain it.
+_MAX_LISTED = 256
 
 _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
                         "checkpoint_fetched", "checkpoint_upload_retry",

@@ -4,6 +4,10 @@ Rank 0's step records are appended to ``steps.jsonl`` in the run directory (the 
 replay and the goodput ground truth read them); a ``progress`` journal event is written at
 most every ``journal_every_s`` seconds and at each generation's first step, so the journal
 stays small while ``status`` and the books still see where training stood.
+
+Each generation keeps its ranks' last progress oldest-first per phase
+(``GenerationProgress.idle``), so the hang check looks at one rank per phase instead of all
+of them, and the largest step interval any rank reported (``interval_max``) as beats arrive.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from orchestrator.clock import Clock
 from orchestrator.events import Envelope, Event, FirstStep, Progress
 from orchestrator.protocol import RankInfo
+from orchestrator.supervisor.deadlines import OldestFirst
 
 
 @dataclass
@@ -40,6 +45,16 @@ class GenerationProgress:
     last_step: int | None = None
     last_step_ts: float | None = None
     ranks: dict[int, RankProgress] = field(default_factory=dict)
+    # phase -> ranks in that phase by the time they last made progress
+    idle: dict[str | None, OldestFirst[int]] = field(default_factory=dict)
+    interval_max: float | None = None  # largest step interval any rank reported
+
+    def progressed(self, rp: RankProgress, phase: str | None, at: float) -> None:
+        """``rp`` made progress at ``at`` (now in ``phase``): move it in ``idle``."""
+        if rp.phase != phase and rp.phase in self.idle:
+            self.idle[rp.phase].discard(rp.rank)
+        rp.phase, rp.progress_seen = phase, at
+        self.idle.setdefault(phase, OldestFirst()).set(rp.rank, at)
 
 
 class ProgressTracker:
@@ -67,7 +82,8 @@ class ProgressTracker:
         if first_step_known:
             self.current.first_step = -1
         for rank in range(world_size):
-            self.current.ranks[rank] = RankProgress(rank, progress_seen=now)
+            rp = self.current.ranks[rank] = RankProgress(rank)
+            self.current.progressed(rp, None, now)
 
     def on_ranks(self, generation: int | None, infos: list[RankInfo]) -> None:
         gen = self.current
@@ -75,14 +91,19 @@ class ProgressTracker:
             return
         now = self._clock.monotonic()
         for info in infos:
-            rp = gen.ranks.setdefault(info.rank, RankProgress(info.rank, progress_seen=now))
+            rp = gen.ranks.get(info.rank)
+            if rp is None:
+                rp = gen.ranks[info.rank] = RankProgress(info.rank)
+                gen.progressed(rp, info.phase, now)
             if info.beat_ts is not None and info.beat_ts != rp.beat_ts:
                 rp.beat_received, rp.beat_ts = now, info.beat_ts
             if info.step != rp.step or info.phase != rp.phase:
-                rp.progress_seen = now
-            rp.step, rp.phase = info.step, info.phase
+                gen.progressed(rp, info.phase, now)
+            rp.step = info.step
             rp.last_step_ts = info.last_step_ts
-            rp.step_interval_max = info.step_interval_max
+            rp.step_interval_max = interval = info.step_interval_max
+            if interval is not None and interval > (gen.interval_max or 0.0):
+                gen.interval_max = interval
 
     def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> bool:
         """Rank 0's step records: append to steps.jsonl, note first/last step, journal.
