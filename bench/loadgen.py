@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -76,8 +75,10 @@ class Supervised:
         env = {**os.environ, "ORCH_TOKEN": token}
         run.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(run.parent / "supervisor.out", "wb")  # noqa: SIM115
+        # In our process group: whoever kills the generator's group (a test at its
+        # timeout) kills the supervisor with it.
         self.proc = subprocess.Popen(supervisor_cmd(run, a), env=env, stdout=self.out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT)
         self.ps = psutil.Process(self.proc.pid)
         self.started = time.time()
         self.samples: list[tuple[float, float, float]] = []  # wall, cpu s, rss bytes
@@ -112,7 +113,7 @@ class Supervised:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.kill()  # the kubernetes launcher started no children of its own
             self.proc.wait()
         self.out.close()
 
@@ -180,7 +181,7 @@ async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
 
 
 async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix=f"loadgen-{a.nodes}x{a.procs}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"loadgen-{a.nodes}x{a.procs}-", dir=a.workdir))
     run = root / "run"
     token = secrets.token_hex(16)
     load_before = os.getloadavg()
@@ -328,6 +329,7 @@ def main() -> int:
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--workdir", default=None, help="where run dirs go (default: $TMPDIR)")
     ap.add_argument("--out", default=None, help="results/<name>.json (default: print only)")
     ap.add_argument("--json", default=None, help="also write the report to this path")
     a = ap.parse_args()

@@ -13,10 +13,11 @@ silent (and comes back when ``heal`` is called).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import loadgen_wire as wire
@@ -56,7 +57,7 @@ class Net:
         self.url, self.token, self.stats = url.rstrip("/"), token, stats
         self.session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> Net:
+    async def __aenter__(self) -> Self:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False))
         return self
@@ -81,7 +82,7 @@ class SimNode:
         self.net, self.stats = net, net.stats
         self.node_id = f"node-{index:05d}"
         self.procs, self.step_s, self.stacks = procs, step_s, stacks
-        self.pid = 100_000 + index * 16
+        self.pid = os.getpid()  # a real pid (ours): nothing may signal a made-up one
         self.version = 0
         self.beat_s = 1.0
         self.registered = asyncio.Event()
@@ -105,7 +106,7 @@ class SimNode:
 
     def crash(self, rank: int) -> None:
         if self.alive:
-            self._queue(wire.rank_exit(self.generation or 0, rank, self.pid + rank % 16, 1,
+            self._queue(wire.rank_exit(self.generation or 0, rank, None, 1,
                                        None, ["simulated crash: exit code 1"]))
             self.crash_rank = rank
 
@@ -176,7 +177,7 @@ class SimNode:
             s = self.frozen.get(rank, step)
             last = None if s is None else self.started_at + _INIT_S + s * self.step_s
             infos.append(wire.rank_info(
-                rank, local, self.pid + local, alive=self.alive and rank != self.crash_rank,
+                rank, local, None, alive=self.alive and rank != self.crash_rank,
                 step=s, phase="init" if s is None else "training", last_step_ts=last,
                 beat_ts=now, interval_max=None if s is None else self.step_s))
         return infos
@@ -282,7 +283,7 @@ class SimNode:
         self.generation, self.rank_offset = a.generation, a.rank_offset
         self.started_at, self.alive = time.time(), True
         self.frozen, self.crash_rank, self._sent_step = {}, None, -1
-        infos = [wire.rank_info(self.rank_offset + i, i, self.pid + i, phase="init")
+        infos = [wire.rank_info(self.rank_offset + i, i, None, phase="init")
                  for i in range(a.nproc or self.procs)]
         self._queue(wire.ranks_started(a.generation or 0, infos))
 
@@ -291,7 +292,7 @@ class SimNode:
             for local in range(self.procs):
                 rank = self.rank_offset + local
                 if rank != self.crash_rank:
-                    self._queue(wire.rank_exit(self.generation or 0, rank, self.pid + local,
+                    self._queue(wire.rank_exit(self.generation or 0, rank, None,
                                                None, "SIGTERM", []))
             self.alive = False
         if report and generation is not None:

@@ -23,11 +23,12 @@ from orchestrator.protocol import (
 
 
 def auth_headers(token: str, node_id: str) -> dict[str, str]:
-    """The header an agent of ``node_id`` sends (today one job token for every node)."""
+    """The header an agent of ``node_id`` sends (today one job token for every node).
+    Ranks are simulated: their pids are None, so no tool ever signals a made-up pid."""
     return {"Authorization": f"Bearer {token}"}
 
 
-def rank_info(rank: int, local_rank: int, pid: int, *, alive: bool = True,
+def rank_info(rank: int, local_rank: int, pid: int | None, *, alive: bool = True,
               step: int | None = None, phase: str | None = None,
               last_step_ts: float | None = None, beat_ts: float | None = None,
               interval_max: float | None = None, exit_code: int | None = None,
@@ -62,7 +63,7 @@ def ranks_started(generation: int, ranks: list[dict[str, Any]]) -> dict[str, Any
             "ts": time.time()}
 
 
-def rank_exit(generation: int, rank: int, pid: int, exit_code: int | None,
+def rank_exit(generation: int, rank: int, pid: int | None, exit_code: int | None,
               signal: str | None, log_tail: list[str]) -> dict[str, Any]:
     return {"type": "rank_exit", "generation": generation, "rank": rank, "pid": pid,
             "exit_code": exit_code, "signal": signal, "ts": time.time(),
