@@ -45,6 +45,7 @@ from loadgen_agent import Net, SimNode, Stats
 
 from orchestrator import events as ev
 from orchestrator.journal import read_journal
+from orchestrator.state import NodeState
 
 FAULTS = ("crash", "hang", "node_lost")
 
@@ -222,6 +223,12 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def lost_nodes(envs: list[Any]) -> list[tuple[float, str, str | None]]:
+    """Every move of a node to LOST: (ts, node, reason)."""
+    return [(e.ts, e.event.node_id, e.event.reason) for e in envs
+            if isinstance(e.event, ev.NodeStateChanged) and e.event.state is NodeState.LOST]
+
+
 def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
             a: argparse.Namespace) -> dict[str, Any]:
     envs = list(read_journal(run / "events.jsonl"))
@@ -233,8 +240,7 @@ def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
             first_reg.setdefault(e.event.node_id, e.ts)
     trans = [e for e in envs if isinstance(e.event, ev.Transition)]
     running = [e.ts for e in trans if e.event.to.value == "RUNNING"]
-    lost = [(e.ts, e.event.node_id, e.event.reason) for e in envs
-            if isinstance(e.event, ev.NodeStateChanged) and e.event.state.value == "LOST"]
+    lost = lost_nodes(envs)
     launches = [e.ts for e in envs if isinstance(e.event, ev.GenerationLaunched)]
     victims = {f["node_id"] for f in res.get("faults", []) if f["kind"] == "node_lost"}
     faults = []

@@ -27,10 +27,11 @@ from orchestrator.journal import read_journal
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PROCS, SPARES = 512, 8, 1
-# Beats at 1 Hz; a node is lost after 15 s of silence (a loaded 2-core machine can delay a
-# beat by seconds: the invariant is that no healthy node is lost, not how fast).
+# Beats at 1 Hz; a node is lost after 12 s of silence (a loaded 2-core machine can delay a
+# beat by seconds: the invariant is that no healthy node is lost, not how fast). The hang
+# timeout is longer, so a silent node's ranks are not called hung before the node is lost.
 ARGS = ["--nodes", str(NODES), "--procs", str(PROCS), "--spares", str(SPARES),
-        "--heartbeat-s", "1", "--lost-s", "15", "--hang-s", "10", "--settle-s", "2",
+        "--heartbeat-s", "1", "--lost-s", "12", "--hang-s", "16", "--settle-s", "2",
         "--faults", "crash,hang,node_lost", "--phase-timeout-s", "150",
         "--run-timeout-s", "420"]
 
