@@ -51,6 +51,11 @@ class OldestFirst(Generic[K]):
             heapq.heappop(heap)
         return None
 
+    def count_older_than(self, at: float) -> int:
+        """How many keys have a time before ``at`` (a scan: for the rare check that
+        already found the oldest past a limit)."""
+        return sum(1 for t in self._at.values() if t < at)
+
     def __len__(self) -> int:
         return len(self._at)
 

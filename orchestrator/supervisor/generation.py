@@ -142,11 +142,11 @@ class GenerationParts:
                 self._transition(JobState.RUNNING)
             if outcome is not None:
                 return outcome if outcome.cause is not Cause.COMPLETED else None
-            if self.ctx.view.state is JobState.LAUNCHING:
-                if clock.monotonic() > launch_deadline:
-                    return Outcome(Cause.WORKER_EXIT if not adopting else Cause.NODE_LOST,
-                                   {"message": "ranks did not start within "
-                                               f"{self.cfg.timeouts.launch_s:.0f} s"})
+            if self.ctx.view.state is JobState.LAUNCHING and \
+                    clock.monotonic() > launch_deadline:
+                return Outcome(Cause.WORKER_EXIT if not adopting else Cause.NODE_LOST,
+                               {"message": "ranks did not start within "
+                                           f"{self.cfg.timeouts.launch_s:.0f} s"})
             await intake.tick(generation)
 
     async def _next_batch(self) -> list[Observation]:

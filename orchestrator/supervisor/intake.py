@@ -191,7 +191,12 @@ class Intake:
         self.started[node_id] = ranks
 
     def mark_silent_nodes_lost(self) -> list[NodeRecord]:
+        held = self.nodes.held_back
         lost = self.nodes.mark_silent_lost(self.cfg.timeouts.node_lost_s)
+        if self.nodes.held_back != held and self.nodes.held_back % 50 == 1:
+            self.ctx.log.warning("many nodes silent at once: waiting longer before calling "
+                                 "them lost (supervisor or network overloaded?)",
+                                 checks_held_back=self.nodes.held_back)
         for node in lost:
             self.ctx.log.warning("node lost", node=node.node_id,
                                  silent_s=round(self.nodes.silent_for(node), 1))

@@ -43,6 +43,9 @@ NODE_MOVES: dict[NodeState, frozenset[NodeState]] = {
     _E: frozenset({_R}),
 }
 _LIVE = frozenset({_R, _A, _S})  # states whose silence is watched
+# Silences this widespread are suspected to be ours (see ``mark_silent_lost``).
+MASS_SILENCE_MIN = 16
+MASS_SILENCE_GRACE = 3.0
 
 
 class IllegalNodeMove(RuntimeError):
@@ -86,6 +89,7 @@ class NodeRegistry:
         self._silence: OldestFirst[str] = OldestFirst()  # live nodes by last_seen
         self._counts: Counter[NodeState] = Counter()
         self._signal_ids = 0
+        self.held_back = 0  # silence checks that waited longer because many nodes were silent
 
     # -- the node state machine ------------------------------------------------------------
     def move(self, node: NodeRecord, state: NodeState, reason: str | None = None, *,
@@ -121,9 +125,22 @@ class NodeRegistry:
 
     def mark_silent_lost(self, limit_s: float) -> list[NodeRecord]:
         """Every live node silent for more than ``limit_s`` becomes LOST (journaled),
-        found oldest-first: a check with no silent node costs one look at the heap."""
-        lost = []
+        found oldest-first: a check with no silent node costs one look at the heap.
+
+        When many nodes fall silent together (more than ``MASS_SILENCE_MIN`` and a quarter
+        of the live ones), the likelier culprit is this supervisor (its loop behind a burst
+        of messages) or the network, not each node: as Kubernetes' node controller stops
+        evicting in a mostly unhealthy zone, they get ``MASS_SILENCE_GRACE`` times the limit
+        before they are declared lost, and ``held_back`` counts the checks that waited."""
         now = self._clock.monotonic()
+        oldest = self._silence.oldest()
+        if oldest is None or now - oldest[1] <= limit_s:
+            return []
+        silent = self._silence.count_older_than(now - limit_s)
+        if silent > max(MASS_SILENCE_MIN, len(self._silence) // 4):
+            limit_s *= MASS_SILENCE_GRACE
+            self.held_back += 1
+        lost = []
         while (oldest := self._silence.oldest()) is not None and now - oldest[1] > limit_s:
             node = self.nodes[oldest[0]]
             self.move(node, _L, reason=f"silent for {self.silent_for(node):.1f} s")

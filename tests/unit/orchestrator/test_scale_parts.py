@@ -169,3 +169,21 @@ def test_a_stack_dump_is_one_assignment_change_per_node(tmp_path: Path) -> None:
 
     changes, orders = asyncio.run(scenario())
     assert (changes, orders) == (1, 16)
+
+
+def test_a_mass_silence_waits_longer_before_nodes_are_lost(tmp_path: Path) -> None:
+    """Many nodes silent together (the supervisor's own backlog, most likely) get three
+    times the limit; one or a few silent nodes are lost at the limit as before."""
+    _, registry, ctx = _intake(tmp_path)
+    clock = ctx.clock  # type: ignore[attr-defined]
+    for i in range(40):
+        registry.register(_request(f"n{i}"))
+    clock.advance(10.5)
+    for i in range(38):  # two stay silent: lost at the limit
+        registry.heartbeat(f"n{i}", None, None, [])
+    clock.advance(0.1)
+    assert sorted(n.node_id for n in registry.mark_silent_lost(10.0)) == ["n38", "n39"]
+    clock.advance(11.0)  # now the other 38 have been silent 11.1 s together
+    assert registry.mark_silent_lost(10.0) == [] and registry.held_back == 1
+    clock.advance(19.0)  # 30.1 s: past three times the limit
+    assert len(registry.mark_silent_lost(10.0)) == 38
