@@ -6,7 +6,7 @@ loss in turn, then stops the job as an operator. This test holds the invariants,
 timings (those are the benchmark's, in ``bench/results/scale-*.json``): every fault is
 detected as its own cause and relaunched exactly once, no healthy node is declared lost, a
 registration retry is no new event, a node's exits are journaled together, and every rank
-of a hung generation was asked for its stacks. It takes about 1.5 to 3 minutes on the
+of a hung generation was asked for its stacks. It takes about 2 to 3 minutes on the
 2-core CI machine.
 """
 
@@ -27,11 +27,13 @@ from orchestrator.journal import read_journal
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PROCS, SPARES = 512, 8, 1
-# Beats at 1 Hz; a node is lost after 12 s of silence (a loaded 2-core machine can delay a
-# beat by seconds: the invariant is that no healthy node is lost, not how fast). The hang
-# timeout is longer, so a silent node's ranks are not called hung before the node is lost.
+# Beats every 2 s and a node lost after 20 s of silence: on the 2-core machine shared with
+# other test runs (load 10-16 measured) the supervisor may get a tenth of a core and delay
+# beats by up to 10 s; the invariant is that no healthy node is lost, not how fast a lost
+# one is found. The hang timeout is longer, so a silent node's ranks are not called hung
+# before the node is lost.
 ARGS = ["--nodes", str(NODES), "--procs", str(PROCS), "--spares", str(SPARES),
-        "--heartbeat-s", "1", "--lost-s", "12", "--hang-s", "16", "--settle-s", "2",
+        "--heartbeat-s", "2", "--lost-s", "20", "--hang-s", "24", "--settle-s", "2",
         "--faults", "crash,hang,node_lost", "--phase-timeout-s", "150",
         "--run-timeout-s", "420"]
 
