@@ -4,7 +4,7 @@
 #   deploy/container/build.sh [TAG]            (default orchestrator:dev)
 #
 # BASE_IMAGE=... picks another base (a CUDA PyTorch image, a Neuron DLC) instead of the
-# Debian one made here; WHEELS=DIR mounts a --find-links directory (torch's CPU wheel);
+# Debian one made here, with TORCH_SPEC= (empty) to keep its torch; WHEELS=DIR mounts a --find-links directory (torch's CPU wheel);
 # CACHE=DIR keeps the Debian base as a `podman save` archive between runs.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -43,6 +43,8 @@ fi
 # pip in the build verifies PyPI's certificates against the host's bundle (a proxy's CA).
 mounts+=(--volume "/etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/host-ca.crt:ro")
 
-podman build --network=host --build-arg "BASE_IMAGE=$base" "${mounts[@]}" \
+args=(--build-arg "BASE_IMAGE=$base")
+if [ -n "${TORCH_SPEC+set}" ]; then args+=(--build-arg "TORCH_SPEC=$TORCH_SPEC"); fi
+podman build --network=host "${args[@]}" "${mounts[@]}" \
   -f "$here/Dockerfile" -t "$tag" "$repo"
 echo "image $tag built in $(( $(date +%s) - t0 )) s"
