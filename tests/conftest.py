@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procs import TAG_VAR, kill_tagged  # noqa: E402  (after the path line above)
+from procs import TAG_VAR, kill_tagged
 
 
 def pytest_configure(config: pytest.Config) -> None:

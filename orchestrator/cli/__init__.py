@@ -22,7 +22,7 @@ app.add_typer(stability_app, name="stability")
 ckpt_app = typer.Typer(help="List, verify and prune checkpoints (paths or s3:// URLs).",
                        no_args_is_help=True)
 app.add_typer(ckpt_app, name="checkpoints")
-from orchestrator.cli.sagemaker import sagemaker_app  # noqa: E402  (a sub-app, like those above)
+from orchestrator.cli.sagemaker import sagemaker_app
 
 app.add_typer(sagemaker_app, name="sagemaker")
 

@@ -185,19 +185,20 @@ class SageMakerLauncher(Launcher):
         if len(sm.hosts) != self.wanted_nodes:
             raise RuntimeError(f"the training job has {len(sm.hosts)} host(s); the config "
                                f"wants {self.wanted_nodes} (cluster.nodes + cluster.spares)")
-        spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
-        out = open(spec.run_dir.agents / f"{sm.current_host}.out", "ab")
-        cmd = agent_command(spec, sm.current_host, addr=sm.current_host,
-                            procs=self.cfg.cluster.procs_per_node,
-                            orphan_timeout_s=SAGEMAKER_ORPHAN_TIMEOUT_S)
-        env = {**os.environ, "ORCH_TOKEN": spec.token, "PYTHONUNBUFFERED": "1"}
-        self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
-        self.record("agent_spawned", node_id=sm.current_host, pid=self._proc.pid,
-                    launcher=self.kind)
+        self._spawn(spec, sm.current_host)
         self.record("agents_expected", count=self.wanted_nodes - 1, launcher=self.kind,
                     head_url=spec.head_url)
+
+    def _spawn(self, spec: AgentSpec, host: str) -> None:
+        """This host's own agent, in a session of its own (as the local launcher's)."""
+        spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
+        cmd = agent_command(spec, host, addr=host, procs=self.cfg.cluster.procs_per_node,
+                            orphan_timeout_s=SAGEMAKER_ORPHAN_TIMEOUT_S)
+        env = {**os.environ, "ORCH_TOKEN": spec.token, "PYTHONUNBUFFERED": "1"}
+        with open(spec.run_dir.agents / f"{host}.out", "ab") as out:
+            self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        self.record("agent_spawned", node_id=host, pid=self._proc.pid, launcher=self.kind)
 
     async def close(self, timeout: float) -> None:
         proc = self._proc

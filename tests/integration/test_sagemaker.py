@@ -62,12 +62,11 @@ def test_two_hosts_train_recover_and_export_the_model(tmp_path: Path, dataset_di
     try:
         # The second host first: its agent waits for the supervisor, as on SageMaker.
         for host in reversed(HOSTS):
-            log = open(tmp_path / f"{host}.log", "wb")
-            procs[host] = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator", "sagemaker", "host"],
-                env=_host_env(tmp_path, host, token), stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
-            log.close()
+            with open(tmp_path / f"{host}.log", "wb") as log:
+                procs[host] = subprocess.Popen(
+                    [sys.executable, "-m", "orchestrator", "sagemaker", "host"],
+                    env=_host_env(tmp_path, host, token), stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
         codes = {h: p.wait(timeout=300) for h, p in procs.items()}
     finally:
         for p in procs.values():
