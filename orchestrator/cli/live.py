@@ -71,8 +71,16 @@ def setup_logging(log_file: Path, fmt: LogFormat, verbosity: Verbosity,
         handler.setLevel(logging.WARNING if verbosity is Verbosity.QUIET else logging.NOTSET)
     else:
         handler = _ConsoleHandler(console)
-        handler.setLevel(logging.NOTSET if verbosity is Verbosity.VERBOSE else logging.ERROR)
+        if verbosity is not Verbosity.VERBOSE:
+            handler.setLevel(logging.ERROR)
+            handler.addFilter(_unjournaled)
     root.addHandler(handler)
+
+
+def _unjournaled(record: logging.LogRecord) -> bool:
+    """Errors the journal's human lines do not already tell: exceptions (a traceback) and
+    critical ones. A failed generation, say, is told once, by its journal line."""
+    return record.levelno >= logging.CRITICAL or record.exc_info is not None
 
 
 class _ConsoleHandler(logging.Handler):
