@@ -89,7 +89,8 @@ def commented_yaml(model: BaseModel, indent: int = 0) -> list[str]:
 
 
 def show_config(config: Path | None, overrides: list[str], json_out: bool,
-                out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+                out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     from orchestrator.config import ConfigError, load_config
     from orchestrator.config.loader import default_config_path
 
@@ -114,7 +115,8 @@ def show_config(config: Path | None, overrides: list[str], json_out: bool,
     return 0
 
 
-def print_schema(out: TextIO = sys.stdout) -> int:
+def print_schema(out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     from orchestrator.config import Config
 
     schema = Config.model_json_schema()

@@ -133,10 +133,11 @@ class LogFollower:
 
 
 def show_logs(logs_dir: Path, ranks: list[int] | None, since: datetime | None, follow: bool,
-              job_ended: Callable[[], bool], out: TextIO = sys.stdout,
+              job_ended: Callable[[], bool], out: TextIO | None = None,
               sleep: Callable[[float], None] = time.sleep) -> int:
     """Print the selected ranks' lines; with ``follow``, keep printing new ones until the job
     has ended and its files are drained (or Ctrl-C). Returns the exit code."""
+    out = out or sys.stdout
     follower = LogFollower(logs_dir, ranks, since)
     try:
         _drain(follower, out, final=not follow)
