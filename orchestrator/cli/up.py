@@ -64,7 +64,10 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
             console.print(f"[red]error[/red] {exc}")
             return 2
     if detach:
-        return _detach(config, run, overrides, chaos_kill_at, resume)
+        extra = [] if log_format is LogFormat.AUTO else ["--log-format", log_format.value]
+        extra += {Verbosity.QUIET: ["--quiet"], Verbosity.VERBOSE: ["--verbose"]}.get(
+            verbosity, [])
+        return _detach(config, run, overrides, chaos_kill_at, resume, extra)
     return _foreground(cfg, run, resumed=resume is not None,
                        log_format=log_format.resolve(sys.stderr), verbosity=verbosity)
 
@@ -107,7 +110,7 @@ def _point_latest(run_root: Path, run_dir: Path) -> None:
 
 
 def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_at: list[int],
-            resume: Path | None) -> int:
+            resume: Path | None, extra: list[str]) -> int:
     """Start the same command in the background, in its own session; write a pid file."""
     cmd = [sys.executable, "-m", "orchestrator", "up"]
     if resume is not None:
@@ -118,6 +121,7 @@ def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_a
             cmd += ["--set", o]
         for s in chaos_kill_at:
             cmd += ["--chaos-kill-at", str(s)]
+    cmd += extra
     out_path = run.root / "supervisor.out"
     start = out_path.stat().st_size if out_path.exists() else 0
     with open(out_path, "ab") as out:
@@ -173,7 +177,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
         _say_resuming(run, log_format)
     if not resumed and cfg.job.entrypoint is None:
         try:
-            _prepare_data(cfg)
+            _prepare_data(cfg, show=log_format is LogFormat.RICH)
         except (OSError, ValueError) as exc:
             console.print(f"[red]data error[/red] {exc}")
             return 2
@@ -189,9 +193,18 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
                       f"{cfg.metrics.port}: the port is in use (set metrics.port, or 0 for a "
                       "free one)")
         return 2
-    from orchestrator.cli.views import print_summary
+    if log_format is LogFormat.JSON:  # stdout stays JSON lines: the summary is one more
+        import json
 
-    print_summary(run)
+        from orchestrator.status import load_view
+        from orchestrator.summary import build_summary
+
+        print(json.dumps({"event": "summary", "run_dir": str(run.root),
+                          **build_summary(load_view(run), run)}, default=str), flush=True)
+    else:
+        from orchestrator.cli.views import print_summary
+
+        print_summary(run)
     return 0 if state is JobState.COMPLETED else 1
 
 
@@ -250,7 +263,7 @@ async def _write_pid_when_listening(run: RunDir) -> None:
         await asyncio.sleep(0.2)
 
 
-def _prepare_data(cfg: Config) -> None:
+def _prepare_data(cfg: Config, show: bool = True) -> None:
     """Build the default token shards once, with a progress bar, before any rank starts."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -260,7 +273,8 @@ def _prepare_data(cfg: Config) -> None:
     if cfg.checkpoint.endpoint_url:  # data on an S3-compatible store: check it there
         os.environ.setdefault("AWS_ENDPOINT_URL_S3", cfg.checkpoint.endpoint_url)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
+                  TimeRemainingColumn(), console=console, transient=True,
+                  disable=not show) as bar:
         task = bar.add_task(f"preparing {data.path}", total=None)
 
         def progress(done: int, total: int) -> None:
