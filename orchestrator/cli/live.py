@@ -94,7 +94,11 @@ class _ConsoleHandler(logging.Handler):
         self.console = console
         self.setFormatter(structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                        structlog.dev.ConsoleRenderer(colors=False, pad_event_to=30)]))
+                        # Plain tracebacks: rich's show every frame's locals (a request's
+                        # Authorization header among them).
+                        structlog.dev.ConsoleRenderer(
+                            colors=False, pad_event_to=30,
+                            exception_formatter=structlog.dev.plain_traceback)]))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
