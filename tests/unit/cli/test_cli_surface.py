@@ -99,3 +99,45 @@ def test_health_from_a_directory_it_cannot_write_says_what_to_do(tmp_path: Path)
     assert result.exit_code == 2
     assert "cannot write the health run directory" in result.output
     assert "--run-dir" in result.output and "Traceback" not in result.output
+
+
+def test_replay_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    records = tmp_path / "steps.jsonl"
+    # Alternating norms: an event or two every step, far more than a pipe buffer holds.
+    records.write_text("".join(json.dumps({"step": s, "loss": 2.0,
+                                           "grad_norm": 100.0 if s % 2 else 1.0}) + "\n"
+                               for s in range(1, 4001)))
+    replay = subprocess.Popen([sys.executable, "-m", "orchestrator", "stability", "replay",
+                               str(records)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.run(["head", "-1"], stdin=replay.stdout, capture_output=True, timeout=60)
+    replay.stdout.close()
+    err = replay.stderr.read().decode()
+    assert replay.wait(timeout=60) == 0
+    assert json.loads(head.stdout)["kind"] in ("grad_spike", "growth")
+    assert "Broken pipe" not in err and "Traceback" not in err
+
+
+def test_slurm_outside_an_allocation_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    for key in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(key, raising=False)
+    result = runner.invoke(app, ["up", "--set", "launcher.kind=slurm", "--run-dir",
+                                 str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert "runs inside an allocation" in result.output and "salloc" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_health_verdict_counts_the_nodes_that_failed() -> None:
+    from orchestrator.cli.health import verdict_line
+
+    nodes = {"local-0": {"ok": True, "fatal": [], "warn": []},
+             "local-1": {"ok": False, "fatal": ["host.disk", "host.memory"], "warn": []},
+             "local-2": {"ok": True, "fatal": [], "warn": ["neuron.compile_cache"]}}
+    line = verdict_line({"ok": False, "nodes": nodes, "seconds": 4.12})
+    assert "1 of 3 node(s) failed (local-1), 3 failed check(s), 4.1 s" in line
+    ok = verdict_line({"ok": True, "nodes": {"local-0": nodes["local-0"]}, "seconds": 1.0})
+    assert "healthy" in ok and "1 node(s) passed" in ok
