@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from orchestrator.events import AgentSpawned
+
 import asyncio
 import os
 import subprocess
@@ -41,7 +43,7 @@ class LocalLauncher(Launcher):
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         out.close()
         self._procs[node_id] = proc
-        self.record("agent_spawned", node_id=node_id, pid=proc.pid, launcher=self.kind)
+        self.record(AgentSpawned(node_id=node_id, pid=proc.pid, launcher=self.kind))
 
     async def start(self, spec: AgentSpec) -> None:
         for i in range(self.wanted_nodes):

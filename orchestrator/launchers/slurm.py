@@ -9,6 +9,8 @@ node id is ``slurm-<SLURM_PROCID>``; the token reaches the tasks through srun's 
 
 from __future__ import annotations
 
+from orchestrator.events import AgentSpawned
+
 import asyncio
 import math
 import os
@@ -58,7 +60,7 @@ class SlurmLauncher(Launcher):
                                 stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         self._steps.append(proc)
-        self.record("agent_spawned", node_id=name, pid=proc.pid, launcher=self.kind)
+        self.record(AgentSpawned(node_id=name, pid=proc.pid, launcher=self.kind))
 
     async def start(self, spec: AgentSpec) -> None:
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")

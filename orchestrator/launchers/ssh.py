@@ -10,6 +10,8 @@ node ranks.
 
 from __future__ import annotations
 
+from orchestrator.events import AgentSpawned
+
 import asyncio
 import os
 import re
@@ -109,8 +111,8 @@ class SSHLauncher(Launcher):
         proc.stdin.close()
         self._procs[node_id] = proc
         self._by_node[node_id] = host
-        self.record("agent_spawned", node_id=node_id, pid=proc.pid, launcher=self.kind,
-                    host=host.host)
+        self.record(AgentSpawned(node_id=node_id, pid=proc.pid, launcher=self.kind,
+                                 host=host.host))
 
     async def start(self, spec: AgentSpec) -> None:
         for i, host in enumerate(self.hosts[: self.wanted_nodes]):

@@ -21,7 +21,9 @@ from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
 from orchestrator.health.base import Level
 from orchestrator.health.coordinator import HealthCoordinator
-from orchestrator.journal import Journal, read_events
+from orchestrator import events as ev
+from orchestrator.events import Envelope, Event
+from orchestrator.journal import Journal, SkipReport, read_journal
 from orchestrator.jobview import JobView
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
@@ -30,30 +32,18 @@ from orchestrator.state import Cause, JobState, NodeState, check_transition
 from orchestrator.supervisor.bookkeeper import BookKeeper
 from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.hangs import collective_timeout_s
+from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.metrics import SupervisorMetrics
+from orchestrator.supervisor.nodes import NodeRegistry
+from orchestrator.supervisor.outcome import JobFailed, Outcome
 from orchestrator.supervisor.placement import Placement, _id_key, place
 from orchestrator.supervisor.policy import GenerationFailed, OperatorStop, RestartPolicy
+from orchestrator.supervisor.recorder import Recorder
 from orchestrator.supervisor.stability import StabilityHook
 
 # How often the observe loop wakes without news, to check silences and timeouts.
 _TICK_S = 0.2
-
-
-class JobFailed(Exception):
-    """The job cannot go on (not enough nodes, budget spent): FAILED with this reason."""
-
-    def __init__(self, reason: str, cause: Cause | None = None) -> None:
-        super().__init__(reason)
-        self.cause = cause
-
-
-@dataclass
-class Outcome:
-    """How a generation ended: ``cause`` and the facts behind it."""
-
-    cause: Cause
-    detail: dict[str, Any]
 
 
 class Supervisor:
@@ -67,40 +57,46 @@ class Supervisor:
         self.clock = clock
         self.resumed = resumed
         self.log = get_logger("orchestrator.supervisor")
-        self.view = JobView.from_events(read_events(run.journal))
+        self.journal_skipped = SkipReport()
+        view = JobView.from_events(read_journal(run.journal, self.journal_skipped))
         self.journal = Journal(run.journal, clock=clock.time)
         self.metrics = SupervisorMetrics(registry or CollectorRegistry(), cfg.job.name)
         self.metrics.set_info(cfg.trainer.model.preset, cfg.cluster.accelerator)
         self.books = BookKeeper(run, self.metrics, clock)  # replays the run dir into metrics
+        self.recorder = Recorder(self.journal, view, self.metrics)
+        self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
+        self.ctx = JobContext(cfg, run, clock, self.recorder, self.log, self.checkpoint_root)
         self.policy = RestartPolicy(cfg.restart)
         self.token = run.ensure_token(os.environ.get("ORCH_TOKEN") or None)
         self.launcher = launcher or build_launcher(cfg, self.record)
-        self.intake = Intake(self)
-        self.stability = StabilityHook(self)
-        self.health = HealthCoordinator(self)
-        self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
-        self.url = ""
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
-        self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
+        self.nodes = NodeRegistry(clock, self.record, self.metrics.set_nodes)
+        self.stability = StabilityHook(self.ctx)
+        self.health = HealthCoordinator(self.ctx, self.nodes, self.stop_requested)
+        self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report)
+        self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
+        self.url = ""
+
+    @property
+    def view(self) -> JobView:
+        return self.recorder.view
 
     # -- journal and state -----------------------------------------------------------------
-    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def record(self, event: Event, *, durable: bool = False) -> Envelope:
         """Write a journal event and fold it into the view and the metrics."""
-        event = self.journal.append(kind, **fields)
-        self.view.apply(event)
-        self.metrics.on_event(event)
-        return event
+        return self.recorder.record(event, durable=durable)
 
     def transition(self, target: JobState, *, cause: Cause | None = None,
-                   reason: str | None = None, **fields: Any) -> None:
-        """The one way the job changes state: checked, journaled, logged once."""
+                   reason: str | None = None, delay_s: float | None = None) -> None:
+        """The one way the job changes state: checked, journaled (on disk before the next
+        step acts on it), logged once."""
         current = self.view.state
         check_transition(current, target)
-        self.record("transition", **{"from": current.value, "to": target.value,
-                                     "cause": cause.value if cause else None,
-                                     "reason": reason, "generation": self.view.generation,
-                                     **fields})
+        self.record(ev.Transition(**{"from": current}, to=target, cause=cause,
+                                  reason=None if reason is None else reason[:4096],
+                                  generation=self.view.generation, delay_s=delay_s),
+                    durable=True)
         self.log.info("job state", from_state=current.value, to_state=target.value,
                       cause=cause.value if cause else None, reason=reason,
                       generation=self.view.generation)
@@ -130,8 +126,13 @@ class Supervisor:
                 self._record_created()
             gap = self.clock.time() - self.view.last_ts if self.resumed and self.view.last_ts \
                 else None
-            self.record("supervisor_started", pid=os.getpid(), url=self.url,
-                        resumed=self.resumed, gap_s=gap)
+            if self.journal_skipped.lines:
+                self.record(ev.JournalSkipped(lines=self.journal_skipped.lines,
+                                              reasons=self.journal_skipped.reasons))
+                self.log.warning("journal lines skipped", lines=self.journal_skipped.lines,
+                                 reasons=self.journal_skipped.reasons[:5])
+            self.record(ev.SupervisorStarted(pid=os.getpid(), url=self.url,
+                                             resumed=self.resumed, gap_s=gap), durable=True)
             if not self.view.state.terminal:
                 await self._drive()
         finally:
@@ -153,11 +154,12 @@ class Supervisor:
 
     def _record_created(self) -> None:
         self.rundir.config.write_text(_dump_yaml(self.cfg))
-        self.record("job_created", job=self.cfg.job.name, run_dir=str(self.rundir.root),
-                    config_hash=config_hash(self.cfg), world_size=self.cfg.cluster.world_size,
-                    nodes=self.cfg.cluster.nodes, spares=self.cfg.cluster.spares,
-                    steps=self.cfg.trainer.steps, checkpoint_root=self.checkpoint_root,
-                    launcher=self.cfg.launcher.kind)
+        self.record(ev.JobCreated(
+            job=self.cfg.job.name, run_dir=str(self.rundir.root),
+            config_hash=config_hash(self.cfg), world_size=self.cfg.cluster.world_size,
+            nodes=self.cfg.cluster.nodes, spares=self.cfg.cluster.spares,
+            steps=self.cfg.trainer.steps, checkpoint_root=self.checkpoint_root,
+            launcher=self.cfg.launcher.kind), durable=True)
 
     def agent_spec(self) -> AgentSpec:
         from orchestrator.launchers.base import default_python
@@ -206,8 +208,8 @@ class Supervisor:
 
     async def _provision(self) -> None:
         """PENDING: get one agent per node started (or adopt those already running)."""
-        spawned = {e["node_id"]: e["pid"] for e in read_events(self.rundir.journal)
-                   if e["kind"] == "agent_spawned"}
+        spawned = {env.event.node_id: env.event.pid for env in read_journal(self.rundir.journal)
+                   if isinstance(env.event, ev.AgentSpawned)}
         if spawned:
             await self.launcher.adopt(self.agent_spec(), spawned)
         else:
@@ -283,7 +285,7 @@ class Supervisor:
             raise OperatorStop()
         outcome = self._explain_by_lost_node(outcome)
         failure = self.intake.root_cause(generation, outcome.cause, outcome.detail)
-        self.record("failure", **failure)
+        self.record(ev.Failure(**failure), durable=True)
         self.log.error("generation failed", **{k: v for k, v in failure.items()
                                                if k != "log_tail"})
         self._blame_node(failure)
@@ -326,10 +328,8 @@ class Supervisor:
             self.log.warning("node keeps failing but no spare can replace it", node=node_id,
                              failures=len(recent))
             return
-        self.intake.set_node_state(
-            node, NodeState.EXCLUDED, node_rank=None,
-            reason=f"{len(recent)} failures in {r.node_failure_window_s:.0f} s")
-        node.node_rank = None
+        self.nodes.move(node, NodeState.EXCLUDED, node_rank=None,
+                        reason=f"{len(recent)} failures in {r.node_failure_window_s:.0f} s")
         self.log.warning("node excluded", node=node_id, failures=len(recent),
                          replacement=spares[0].node_id)
 
@@ -398,7 +398,7 @@ class Supervisor:
         master = nodes.nodes[rank0]
         ppn = self.cfg.cluster.procs_per_node
         env = self._generation_env(generation)
-        self.intake.resume_max_step = None  # a rollback's limit holds for one launch only
+        self.stability.resume_max_step = None  # a rollback's limit holds for one launch only
         assignments = {}
         for node_id, node_rank in placement.active.items():
             assignments[node_id] = {
@@ -409,12 +409,12 @@ class Supervisor:
                 "env": env, "signals": [], "preload": self._preload()}
         after = self.view.failures[-1]["cause"] if self.view.failures else None
         self.intake.begin_generation(generation, self.cfg.cluster.world_size)
-        self.record("generation_launched", generation=generation,
-                    world_size=self.cfg.cluster.world_size, master_addr=master.addr,
-                    master_port=master.free_port, nodes=placement.active,
-                    spares=placement.spares, after_cause=after,
-                    resume_step=self.view.newest_checkpoint_step,
-                    assignments=assignments)
+        self.record(ev.GenerationLaunched(
+            generation=generation, world_size=self.cfg.cluster.world_size,
+            master_addr=master.addr, master_port=master.free_port, nodes=placement.active,
+            spares=placement.spares, after_cause=after,
+            resume_step=self.view.newest_checkpoint_step, assignments=assignments),
+            durable=True)
         for node_id, assignment in assignments.items():
             await nodes.assign(node_id, **assignment)
         for node_id in placement.spares:
@@ -451,8 +451,8 @@ class Supervisor:
             "ORCH_SKIP_WINDOWS": json.dumps(self.view.skip_windows),
             "ORCH_LR_SCALE": repr(self.view.lr_scale),
             # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
-            "ORCH_RESUME_MAX_STEP": "" if self.intake.resume_max_step is None
-                                    else str(self.intake.resume_max_step),
+            "ORCH_RESUME_MAX_STEP": "" if self.stability.resume_max_step is None
+                                    else str(self.stability.resume_max_step),
             "ORCH_COLLECTIVE_TIMEOUT_S": str(round(collective_timeout_s(
                 self.cfg.timeouts, self.intake.training_timeout), 1)),
             "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
@@ -536,8 +536,7 @@ class Supervisor:
                 pass
         for node in waiting:
             if node.stopped_generation != generation and node.state is NodeState.ACTIVE:
-                self.intake.set_node_state(node, NodeState.LOST,
-                                           reason="did not confirm the stop in time")
+                self.nodes.move(node, NodeState.LOST, reason="did not confirm the stop in time")
 
     async def _shutdown(self) -> None:
         """Tell agents to exit once the job is over; leave them running otherwise."""
