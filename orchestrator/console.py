@@ -139,7 +139,17 @@ class JobFollower:
         return self._journal.skipped + self._steps.skipped
 
     def poll(self) -> list[dict[str, Any]]:
-        events = self._journal.read()
+        """The journal's new events, each validated by its model (``orchestrator.events``) and
+        given back as its line's JSON object; a line no model accepts is counted, skipped."""
+        from orchestrator.events import parse_event, to_line_dict
+
+        events = []
+        for raw in self._journal.read():
+            envelope, _ = parse_event(raw)
+            if envelope is None:
+                self._journal.skipped += 1
+                continue
+            events.append(to_line_dict(envelope.seq, envelope.ts, envelope.event))
         for e in events:
             self._apply_event(e)
         for rec in self._steps.read():
