@@ -22,6 +22,8 @@ from typing import Any
 _RATE_WINDOW = 32
 # A line longer than this in a journal or step file is not ours (or is torn): skip it.
 _MAX_LINE = 1 << 20
+# A human line quotes at most this much of an error message (the journal has all of it).
+_SHORT = 120
 
 
 class TailReader:
@@ -316,8 +318,10 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
         return "warning", (f"node {text('node_id')} {text('state')}"
                            + (f": {text('reason')}" if e.get("reason") else ""))
     if kind in ("checkpoint_failed", "checkpoint_skipped"):
-        return "warning", f"{kind.replace('_', ' ')} at step {text('step')}: " \
-                          f"{text('reason') or text('error')}"
+        why = (text("reason") or text("error")).strip().splitlines()
+        why_short = why[0][:_SHORT] + ("..." if len(why[0]) > _SHORT or len(why) > 1 else "") \
+            if why else "no reason given"
+        return "warning", f"{kind.replace('_', ' ')} at step {text('step')}: {why_short}"
     if verbose and kind == "checkpoint_committed":
         return "info", f"checkpoint {text('step')} committed ({text('tier') or 'local'})"
     if verbose and kind == "supervisor_started":

@@ -122,3 +122,9 @@ def test_durations() -> None:
     assert [fmt_duration(s) for s in (None, 0.4, 59, 185, 7620)] == \
         ["-", "0s", "59s", "3m05s", "2h07m"]
     assert "ETA -" in progress_line(Progress(state="STOPPED", total_steps=10), now=0.0)
+
+
+def test_a_long_checkpoint_error_is_one_short_line() -> None:
+    long = "RuntimeError: " + "x" * 400 + "\nsecond line"
+    level, text = describe({"kind": "checkpoint_failed", "step": 300, "reason": long})
+    assert level == "warning" and "\n" not in text and len(text) < 200 and text.endswith("...")
