@@ -280,7 +280,7 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
     """A short human line for a journal event and its level ("info", "warning", "error"),
     or None for the events only ``--verbose`` (or nobody) needs on the console."""
     kind = e.get("kind")
-    text = lambda key: str(e.get(key, ""))[:300]  # noqa: E731 - bounded view of a field
+    text = lambda key: str(e.get(key, ""))[:300]
     if kind == "transition":
         to, cause, reason = text("to"), e.get("cause"), e.get("reason")
         tail = "".join([f" ({cause})" if cause and cause != "completed" else "",

@@ -317,7 +317,6 @@ def export(
 ) -> None:
     """Write a checkpoint's weights as a Llama-format directory (config.json, safetensors)."""
     from orchestrator.cli.checkpoints import export_hf, use_endpoint
-
     from orchestrator.cli.configdoc import canonical_dtype
 
     use_endpoint(endpoint_url)

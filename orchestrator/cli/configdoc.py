@@ -51,7 +51,7 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
-    if hasattr(value, "value") and isinstance(getattr(value, "value"), str | int):
+    if hasattr(value, "value") and isinstance(value.value, str | int):
         return value.value  # enums
     return value
 

@@ -158,8 +158,7 @@ def show_logs(logs_dir: Path, ranks: list[int] | None, since: datetime | None, f
 def _drain(follower: LogFollower, out: TextIO, final: bool) -> None:
     while True:
         lines = list(follower.poll(final))
-        for line in lines:
-            out.write(line + "\n")
+        out.writelines(line + "\n" for line in lines)
         out.flush()
         if not lines:
             return

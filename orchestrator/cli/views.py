@@ -172,6 +172,8 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     if not terminal and not alive.running:
         table.add_row("resume with", resume_command(RunDir(Path(status["run_dir"]))),
                       style="yellow")
+    if status["state"] == JobState.STOPPED.value and not alive.running:
+        table.add_row("continue with", f"orchestrator up --resume {status['run_dir']}")
     table.add_row("run dir", status["run_dir"])
     parts.append(table)
     if status["restarts"] or status["failures"]:

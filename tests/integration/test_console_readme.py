@@ -22,7 +22,7 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_the_validate_example_shows_the_real_output(tmp_path: Path) -> None:
     block = re.search(r"```bash\n\$ cat bad\.yaml\n(?P<yaml>.*?)\$ orchestrator validate "
-                      r"bad\.yaml\n(?P<out>.*?)```", README, re.S)
+                      r"bad\.yaml\n(?P<out>.*?)```", README, re.DOTALL)
     assert block, "the README's validate example is gone"
     (tmp_path / "bad.yaml").write_text(block["yaml"])
     result = run("validate", "bad.yaml", cwd=tmp_path)
@@ -32,7 +32,7 @@ def test_the_validate_example_shows_the_real_output(tmp_path: Path) -> None:
 
 def test_every_command_in_the_table_exists_with_the_flags_it_names(tmp_path: Path) -> None:
     table = README[README.index("| command | what it does |"):README.index("### Where to look")]
-    rows = re.findall(r"^\| `orchestrator ([a-z ]+?)(?: \[| [A-Z]| -|\\|`)(.*)$", table, re.M)
+    rows = re.findall(r"^\| `orchestrator ([a-z ]+?)(?: \[| [A-Z]| -|\\|`)(.*)$", table, re.MULTILINE)
     commands = {name.strip(): rest for name, rest in rows}
     assert {"up", "status", "logs", "down", "validate", "config show", "config schema",
             "health", "stability replay", "checkpoints list", "export",

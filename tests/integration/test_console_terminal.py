@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pexpect
 import pytest
-
 from jobs import env, journal, kill_run, write_config
 
 KILL_AT = 25

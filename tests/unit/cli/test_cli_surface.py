@@ -48,7 +48,8 @@ def test_version_and_completion() -> None:
     from importlib.metadata import version
 
     result = runner.invoke(app, ["--version"])
-    assert result.exit_code == 0 and result.output.strip() == f"orchestrator {version('orchestrator')}"
+    assert result.exit_code == 0
+    assert result.output.strip() == f"orchestrator {version('orchestrator')}"
     assert "--install-completion" in runner.invoke(app, ["-h"]).output
 
 

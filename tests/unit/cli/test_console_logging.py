@@ -37,8 +37,8 @@ def emit_three() -> None:
         log.exception("api handler failed", token="s3cret")
 
 
-def test_json_format_writes_json_lines_to_stdout_and_the_file(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture) -> None:
+def test_json_format_writes_json_lines_to_stdout_and_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     setup_logging(tmp_path / "supervisor.log", LogFormat.JSON, Verbosity.NORMAL, Console())
     emit_three()
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -9,8 +9,15 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.console import (STABILITY_ADVICE, JobFollower, Progress, TailReader, describe,
-                                  fmt_duration, progress_line)
+from orchestrator.console import (
+    STABILITY_ADVICE,
+    JobFollower,
+    Progress,
+    TailReader,
+    describe,
+    fmt_duration,
+    progress_line,
+)
 
 FUZZ_CASES = 400
 
