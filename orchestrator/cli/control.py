@@ -14,9 +14,11 @@ from rich.console import Console
 
 from orchestrator.cli import liveness
 from orchestrator.rundir import RunDir
+from orchestrator.state import JobState
 from orchestrator.status import load_view
 
 console = Console(stderr=True)
+_TERMINAL = frozenset(s.value for s in JobState if s.terminal)
 
 
 def resolve_run_dir(run_dir: Path | None) -> RunDir:
@@ -88,8 +90,15 @@ def show_rank_logs(run_dir: Path | None, ranks: list[int] | None, follow: bool,
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error[/red] {exc}")
         return 2
-    return show_logs(run.logs, ranks, since_dt, follow,
-                     job_ended=lambda: load_view(run).state.terminal)
+    from orchestrator.console import JobFollower
+
+    journal = JobFollower(run.root)  # reads only what the journal gained since the last poll
+
+    def job_ended() -> bool:
+        journal.poll()
+        return journal.progress.state in _TERMINAL
+
+    return show_logs(run.logs, ranks, since_dt, follow, job_ended=job_ended)
 
 
 def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,
