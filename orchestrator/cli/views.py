@@ -76,14 +76,17 @@ def books_table(books: dict) -> Table:
     return t
 
 
-def _load_status(run_dir: Path | None) -> tuple[dict, Liveness]:
+def _load_status(run_dir: Path | None, use_api: bool = True) -> tuple[dict, Liveness]:
     """The status of ``run_dir`` (default ``runs/latest``, resolved anew each call): the live
-    API's when the supervisor answers (it knows the nodes' silence), else the journal's."""
+    API's when the supervisor answers (it knows the nodes' silence), else the journal's.
+    ``--watch`` reads the run directory itself: a redraw every few seconds must not make the
+    supervisor's event loop fold the whole run each time."""
     from orchestrator.cli.control import resolve_run_dir
 
     run = resolve_run_dir(run_dir)
     alive = liveness.check(run)
-    status = _api_status(run, alive.api_url) if alive.api_ok and alive.api_url else None
+    status = _api_status(run, alive.api_url) if use_api and alive.api_ok and alive.api_url \
+        else None
     if status is None:
         status = build_status(load_view(run), run)
     return status, alive
@@ -113,7 +116,7 @@ def _api_status(run: RunDir, url: str) -> dict | None:
 def show_status(run_dir: Path | None, json_out: bool, watch: bool = False,
                 interval: float = 2.0) -> int:
     try:
-        status, alive = _load_status(run_dir)
+        status, alive = _load_status(run_dir, use_api=not watch)
     except FileNotFoundError as exc:
         err.print(f"[red]error[/red] {exc}")
         return 2
@@ -141,7 +144,7 @@ def _watch(run_dir: Path | None, status: dict, alive: Liveness, interval: float)
             while not JobState(status["state"]).terminal:
                 time.sleep(interval)
                 try:
-                    status, alive = _load_status(run_dir)
+                    status, alive = _load_status(run_dir, use_api=False)
                 except FileNotFoundError:
                     continue  # runs/latest is being replaced by a new run
                 live.update(Group(*status_renderables(status, alive, compact=True)),
