@@ -66,6 +66,7 @@ class JobView:
     last_failure_reason: str | None = None
     health: list[dict[str, Any]] = field(default_factory=list)
     first_steps: dict[int, int] = field(default_factory=dict)
+    recovery_delay_s: float | None = None  # the backoff of the newest RECOVERING move
 
     @classmethod
     def from_events(cls, events: Iterable[Envelope | dict[str, Any]]) -> JobView:
@@ -99,6 +100,8 @@ class JobView:
 
     def _on_transition(self, e: ev.Transition, ts: float) -> None:
         self.state = e.to
+        if e.to is JobState.RECOVERING:
+            self.recovery_delay_s = e.delay_s
         if self.state.terminal:
             self.ended_ts = ts
             if self.state is JobState.FAILED:

@@ -41,6 +41,18 @@ class FakeClock:
         self.t += max(0.0, seconds)
         await asyncio.sleep(0)
 
+    async def wait_for(self, aw: Any, timeout: float) -> Any:
+        """What is ready now (after one turn of the loop) is returned; otherwise the clock
+        jumps by ``timeout`` and TimeoutError is raised, as the real wait would end."""
+        task = asyncio.ensure_future(aw)
+        for _ in range(3):
+            await asyncio.sleep(0)
+            if task.done():
+                return task.result()
+        task.cancel()
+        self.t += max(0.0, timeout)
+        raise TimeoutError
+
 
 class FakeLog:
     """A structlog-shaped logger that keeps its lines: (level, message, fields)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +95,7 @@ class HealthCoordinator:
 
     async def recheck_excluded(self, level: Level, checked: set[str]) -> None:
         """``on_insufficient: wait``: every ``retry_interval_s``, check the excluded again."""
-        now = time.monotonic()
+        now = self.ctx.clock.monotonic()
         if self._retry_at is None:
             self._retry_at = now + self.cfg.retry_interval_s
             self.ctx.log.warning("too few healthy nodes; waiting and re-checking",
@@ -150,7 +149,7 @@ class HealthCoordinator:
         """Both stages over ``nodes`` (``peers``, checked before, join the network stage);
         every result journaled; results by node."""
         nonce = secrets.token_hex(6)
-        start = time.monotonic()
+        start = self.ctx.clock.monotonic()
         ids = [n.node_id for n in nodes]
         self.ctx.log.info("health round", level=level.value, nodes=ids, round=nonce)
         results = await self._node_stage(nonce, nodes, level)
@@ -167,7 +166,7 @@ class HealthCoordinator:
         failed_checks = {n: [r.check for r in rs if not r.ok] for n, rs in results.items()}
         self.ctx.record(ev.HealthRound(round=nonce, level=level.value, nodes=ids,
                                        failed={n: c for n, c in failed_checks.items() if c},
-                                       duration_s=round(time.monotonic() - start, 3)))
+                                       duration_s=round(self.ctx.clock.monotonic() - start, 3)))
         return results
 
     async def _node_stage(self, nonce: str, nodes: list[NodeRecord],
@@ -325,21 +324,21 @@ class HealthCoordinator:
         """Reports of this stage until every live node has sent one or the deadline passes."""
         from orchestrator.supervisor.policy import OperatorStop
 
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        clock = self.ctx.clock
+        deadline = clock.monotonic() + timeout
         nodes = self.nodes.nodes
         while True:
             self.nodes.mark_silent_lost(self.ctx.cfg.timeouts.node_lost_s)
             have = self._reports.get((nonce, stage), {})
             pending = [n for n in node_ids if n not in have and nodes[n].state is not
                        NodeState.LOST]
-            if not pending or loop.time() > deadline:
+            if not pending or clock.monotonic() > deadline:
                 return dict(have)
             if self.stop_requested.is_set():
                 raise OperatorStop()
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), _POLL_S)
+                await clock.wait_for(self._arrived.wait(), _POLL_S)
 
     def _journal(self, nonce: str, results: list[CheckResult]) -> None:
         for r in results:

@@ -5,7 +5,6 @@ token from a mounted Secret (``--token-file``) and exit when the job ends."""
 from __future__ import annotations
 
 from orchestrator.events import AgentsExpected
-
 from orchestrator.launchers.base import AgentSpec, Launcher
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from orchestrator.events import AgentSpawned
-
 import asyncio
 import os
 import subprocess
 
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import (
     AgentSpec,
     Launcher,

@@ -9,8 +9,6 @@ node id is ``slurm-<SLURM_PROCID>``; the token reaches the tasks through srun's 
 
 from __future__ import annotations
 
-from orchestrator.events import AgentSpawned
-
 import asyncio
 import math
 import os
@@ -18,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
 from orchestrator.launchers.ssh import REMOTE_ORPHAN_TIMEOUT_S
 

@@ -10,8 +10,6 @@ node ranks.
 
 from __future__ import annotations
 
-from orchestrator.events import AgentSpawned
-
 import asyncio
 import os
 import re
@@ -20,6 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
 
 # Remote agents outlive a dead supervisor (so training goes on) but not forever.

@@ -16,9 +16,9 @@ from typing import Any
 
 from orchestrator.books import Books, Ledger
 from orchestrator.clock import Clock
+from orchestrator.events import Envelope, parse_event
 from orchestrator.logs import get_logger
 from orchestrator.rundir import RunDir
-from orchestrator.events import Envelope, parse_event
 from orchestrator.supervisor.metrics import SupervisorMetrics
 
 # How often the live books are refreshed: well under the usual 15 s scrape interval, and a

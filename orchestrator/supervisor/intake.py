@@ -16,7 +16,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import events as ev
-
 from orchestrator.protocol import (
     Assignment,
     EventBatch,

@@ -227,9 +227,9 @@ class SupervisorMetrics:
             value = _number(summary.get(key))
             if value is not None:
                 gauge.labels(job).set(value)
-        for ev in events:
-            self.stability_events.labels(job, ev["kind"]).inc()
-            if ev["kind"] == "grad_spike":
+        for fired in events:
+            self.stability_events.labels(job, fired["kind"]).inc()
+            if fired["kind"] == "grad_spike":
                 self.spikes.labels(job).inc()
 
     def set_books(self, seconds: dict[str, float], goodput: float) -> None:

@@ -18,9 +18,8 @@ holds, so a new command reaches it within one round trip rather than one heartbe
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from orchestrator.clock import Clock
 from orchestrator.events import Envelope, Event, NodeStateChanged
