@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator.cli import liveness
+from orchestrator.cli.liveness import check as supervisor_liveness
+from orchestrator.cli.liveness import resume_command
 from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
 from orchestrator.status import load_view
@@ -42,11 +43,11 @@ def stop_job(run_dir: Path | None, timeout: float, checkpoint: bool = True) -> i
     if view.state.terminal:
         console.print(f"job already ended: {view.state.value}")
         return 0
-    alive = liveness.check(run)
+    alive = supervisor_liveness(run)
     if not alive.api_ok:
         console.print(f"[red]error[/red] the supervisor is {alive.describe()}; the job "
                       f"({view.state.value} in the journal) has nobody to stop it.\n"
-                      f"resume it: {liveness.resume_command(run)}")
+                      f"resume it: {resume_command(run)}")
         return 1
     url = f"{alive.api_url}/v1/stop"
     req = urllib.request.Request(url, data=json.dumps(stop_request_body(checkpoint)).encode(),
@@ -58,7 +59,7 @@ def stop_job(run_dir: Path | None, timeout: float, checkpoint: bool = True) -> i
             resp.read()
     except (urllib.error.URLError, OSError) as exc:
         console.print(f"[red]error[/red] the supervisor at {url} did not answer: {exc}\n"
-                      f"if it is gone, resume it: {liveness.resume_command(run)}")
+                      f"if it is gone, resume it: {resume_command(run)}")
         return 1
     deadline = time.monotonic() + timeout
     with console.status("stopping the job (a final checkpoint first)..." if checkpoint

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator.cli import liveness
 from orchestrator.cli.live import LogFormat, Verbosity
+from orchestrator.cli.liveness import api_urls, healthz
+from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
 from orchestrator.rundir import RunDir
@@ -52,7 +53,7 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
         console.print(f"[red]error[/red] {problem}")
         return 2
     if resume is not None:
-        alive = liveness.check(run)
+        alive = supervisor_liveness(run)
         if alive.running:  # never a second supervisor, never its pid file
             console.print(f"[red]error[/red] the supervisor of {run.root} is already "
                           f"{alive.describe()}; stop it first (orchestrator down {run.root})")
@@ -154,7 +155,7 @@ def _wait_listening(run: RunDir, proc: subprocess.Popen) -> int | None:
             code = proc.poll()
             info = run.read_supervisor_info()
             if info and info.get("pid") == proc.pid and any(
-                    liveness.healthz(u) for u in liveness.api_urls(info)):
+                    healthz(u) for u in api_urls(info)):
                 return None
             if code is not None:
                 return code or 1

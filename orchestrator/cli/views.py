@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.cli import liveness
 from orchestrator.cli.liveness import Liveness, resume_command
+from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
 from orchestrator.status import build_status, load_view
@@ -84,7 +84,7 @@ def _load_status(run_dir: Path | None, use_api: bool = True) -> tuple[dict, Live
     from orchestrator.cli.control import resolve_run_dir
 
     run = resolve_run_dir(run_dir)
-    alive = liveness.check(run)
+    alive = supervisor_liveness(run)
     status = _api_status(run, alive.api_url) if use_api and alive.api_ok and alive.api_url \
         else None
     if status is None:
