@@ -136,6 +136,9 @@ def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_a
         for line in tail:
             console.print(f"  {line}", markup=False, highlight=False)
         return code or 1
+    # The daemon writes it too, once it listens; written here as well so that it is there
+    # when this command returns.
+    run.pid_file.write_text(f"{proc.pid}\n")
     info = run.read_supervisor_info() or {}
     console.print(f"supervisor listening in the background: pid {proc.pid}, "
                   f"{info.get('url', '?')}\n"
