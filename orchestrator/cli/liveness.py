@@ -110,8 +110,14 @@ def healthz(url: str, timeout: float = _HEALTHZ_TIMEOUT_S) -> bool:
     return isinstance(body, dict) and body.get("ok") is True
 
 
-def check(run: RunDir) -> Liveness:
+def supervisor_info(run: RunDir) -> dict[str, Any] | None:
+    """``supervisor.json`` when it holds a JSON object (a torn or foreign file reads as None)."""
     info = run.read_supervisor_info()
+    return info if isinstance(info, dict) else None
+
+
+def check(run: RunDir) -> Liveness:
+    info = supervisor_info(run)
     pid = _pid_of(run, info)
     alive = (pid is not None and pid != os.getpid() and pid_alive(pid)
              and _is_orchestrator(pid))

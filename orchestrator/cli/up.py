@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from orchestrator.cli.live import LogFormat, Verbosity
-from orchestrator.cli.liveness import api_urls, healthz
+from orchestrator.cli.liveness import api_urls, healthz, supervisor_info
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
@@ -139,7 +139,7 @@ def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_a
     # The daemon writes it too, once it listens; written here as well so that it is there
     # when this command returns.
     run.pid_file.write_text(f"{proc.pid}\n")
-    info = run.read_supervisor_info() or {}
+    info = supervisor_info(run) or {}
     console.print(f"supervisor listening in the background: pid {proc.pid}, "
                   f"{info.get('url', '?')}\n"
                   f"run dir: {run.root}\n"
@@ -156,7 +156,7 @@ def _wait_listening(run: RunDir, proc: subprocess.Popen) -> int | None:
     with console.status("waiting for the supervisor to listen..."):
         while time.monotonic() < deadline:
             code = proc.poll()
-            info = run.read_supervisor_info()
+            info = supervisor_info(run)
             if info and info.get("pid") == proc.pid and any(
                     healthz(u) for u in api_urls(info)):
                 return None
@@ -260,7 +260,7 @@ async def _write_pid_when_listening(run: RunDir) -> None:
     listens): a supervisor that fails to start never takes the pid file of a live one."""
     me = os.getpid()
     while True:
-        info = await asyncio.to_thread(run.read_supervisor_info)
+        info = await asyncio.to_thread(supervisor_info, run)
         if info and info.get("pid") == me:
             await asyncio.to_thread(run.pid_file.write_text, f"{me}\n")
             return
