@@ -22,10 +22,10 @@ class _Supervisor(BaseHTTPRequestHandler):
 
     received: list[tuple[str, str, dict]] = []
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self._answer({"ok": True, "state": "RUNNING"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).received.append((self.path, self.headers["Authorization"], body))
         self._answer({"stopping": True, "state": "RUNNING"})
