@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from orchestrator.events import AgentSpawned, AgentsExpected
 from orchestrator.launchers.base import AgentSpec, Launcher, agent_command, terminate_pids
 
 # An agent whose supervisor is gone (the first host failed) and that runs no rank exits
@@ -186,8 +187,8 @@ class SageMakerLauncher(Launcher):
             raise RuntimeError(f"the training job has {len(sm.hosts)} host(s); the config "
                                f"wants {self.wanted_nodes} (cluster.nodes + cluster.spares)")
         self._spawn(spec, sm.current_host)
-        self.record("agents_expected", count=self.wanted_nodes - 1, launcher=self.kind,
-                    head_url=spec.head_url)
+        self.record(AgentsExpected(count=self.wanted_nodes - 1, launcher=self.kind,
+                                   head_url=spec.head_url))
 
     def _spawn(self, spec: AgentSpec, host: str) -> None:
         """This host's own agent, in a session of its own (as the local launcher's)."""
@@ -198,7 +199,7 @@ class SageMakerLauncher(Launcher):
         with open(spec.run_dir.agents / f"{host}.out", "ab") as out:
             self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
-        self.record("agent_spawned", node_id=host, pid=self._proc.pid, launcher=self.kind)
+        self.record(AgentSpawned(node_id=host, pid=self._proc.pid, launcher=self.kind))
 
     async def close(self, timeout: float) -> None:
         proc = self._proc

@@ -67,7 +67,11 @@ def test_two_hosts_train_recover_and_export_the_model(tmp_path: Path, dataset_di
                     [sys.executable, "-m", "orchestrator", "sagemaker", "host"],
                     env=_host_env(tmp_path, host, token), stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True)
-        codes = {h: p.wait(timeout=300) for h, p in procs.items()}
+        # The leader first: when it fails, the other host's agent would wait out its orphan
+        # timeout (300 s) for a supervisor that is gone.
+        codes = {HOSTS[0]: procs[HOSTS[0]].wait(timeout=300)}
+        if codes[HOSTS[0]] == 0:
+            codes[HOSTS[1]] = procs[HOSTS[1]].wait(timeout=120)
     finally:
         for p in procs.values():
             if p.poll() is None:
