@@ -9,13 +9,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from fakes import make_context
-
 from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.config import load_config
+from orchestrator.journal import read_events
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import node_checks
 from orchestrator.health.coordinator import HealthCoordinator
-from orchestrator.journal import read_events
 from orchestrator.logs import get_logger
 from orchestrator.protocol import HealthReport, RegisterRequest
 from orchestrator.state import NodeState

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from orchestrator.config import Config
 from orchestrator.events import GenerationLaunched
-from orchestrator.jobview import JobView
 from orchestrator.journal import read_events
+from orchestrator.jobview import JobView
 from orchestrator.rundir import RunDir
 from orchestrator.state import Cause
 from orchestrator.status import build_status

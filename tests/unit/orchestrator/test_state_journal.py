@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import events as ev
-from orchestrator.jobview import JobView
 from orchestrator.journal import Journal, SkipReport, read_events, read_journal
+from orchestrator.jobview import JobView
 from orchestrator.state import ALLOWED, IllegalTransition, JobState, check_transition
 
 

@@ -14,14 +14,8 @@ from fakes import FakeClock, FakeLog, make_context
 from orchestrator import events as ev
 from orchestrator.config import Config
 from orchestrator.journal import read_events
-from orchestrator.protocol import (
-    RankExit,
-    RankInfo,
-    RanksStarted,
-    RanksStopped,
-    RegisterRequest,
-    WorkerEvent,
-)
+from orchestrator.protocol import RankExit, RanksStarted, RanksStopped, RankInfo, \
+    RegisterRequest, WorkerEvent
 from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.generation import TICK_S, GenerationParts
 from orchestrator.supervisor.intake import Intake, Observation
