@@ -100,7 +100,16 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         choice = checkpointer.choose(max_step=ctx.resume_max_step)
         load_s = time.perf_counter() - t0
     model = backend.build_model(settings, dctx)
-    if choice is None and cfg.model.init_from_hf:
+    if cfg.finetune is not None:
+        from trainer.finetune import prepare_base, trainable_counts
+
+        # Every start, resumed or not: checkpoints hold the adapters only.
+        with worker.phase("loading"):
+            prepare_base(model, cfg.finetune, str(cfg.model.init_from_hf))
+        trainable, total = trainable_counts(model)
+        log(f"{cfg.finetune.method}: base from {cfg.model.init_from_hf}, {trainable:,} of "
+            f"{total:,} parameters train (rank {cfg.finetune.rank})")
+    elif choice is None and cfg.model.init_from_hf:
         with worker.phase("loading"):
             backend.load_pretrained(model, cfg.model.init_from_hf)
         log(f"no checkpoint found: starting from the Hugging Face weights in "

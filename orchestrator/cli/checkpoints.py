@@ -126,7 +126,8 @@ def prune_checkpoints(url: str, keep_last: int, keep_every: int | None, dry_run:
     return 0
 
 
-def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None) -> int:
+def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None,
+              adapter_only: bool = False) -> int:
     from trainer.checkpoint import layout
     from trainer.checkpoint.store import resolve
 
@@ -153,7 +154,8 @@ def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None) -
         from trainer.hf import export_checkpoint
 
         export_checkpoint(target, manifest, to_hf, dtype=dtype, tokenizer=tokenizer,
-                          log=lambda m: out.print(m, highlight=False))
+                          log=lambda m: out.print(m, highlight=False),
+                          adapter_only=adapter_only)
     except (OSError, ValueError) as exc:
         err.print(f"[red]error[/red] {exc}", highlight=False)
         return 1
