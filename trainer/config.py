@@ -65,12 +65,16 @@ class ModelConfig(_Section):
             return data
         from trainer.hf import CONFIG, args_from_hf_config
 
-        path = Path(str(data["init_from_hf"])).expanduser() / CONFIG
+        # A relative path is taken from where the config is validated (the checkout, for
+        # the examples in configs/) and kept absolute, so ranks find it from any directory.
+        root = Path(str(data["init_from_hf"])).expanduser().absolute()
+        path = root / CONFIG
         try:
             hf_args = args_from_hf_config(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise FieldError("init_from_hf", f"cannot use {path}: {exc}") from None
         out = dict(data)
+        out["init_from_hf"] = str(root)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                      "rope_theta", "norm_eps", "max_seq_len"):
             theirs = getattr(hf_args, name)
