@@ -193,6 +193,13 @@ class DeepSpeedBackend(Backend):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=deepspeed_config(settings.trainer),
                                                dist_init_required=False)
+        if settings.trainer.parallelism.offload != "none" and dctx.is_main:
+            # What the engine made of the offload request (its parsed config), in the log.
+            where = [str(getattr(c.device, "value", c.device)) if c is not None else "none"
+                     for c in (engine.zero_offload_optimizer(), engine.zero_offload_param())]
+            opt, par = (w if w != "none" else "the accelerator" for w in where)
+            print(f"[rank {dctx.rank}] ZeRO-Offload: optimizer state and step on {opt}, "
+                  f"parameters on {par}", flush=True)
         return DeepSpeedStepper(engine, scheduler, dctx.device)
 
     def checkpoint_state(self, stepper: Any, scheduler: Any, progress: Any, loader: Any,
