@@ -242,16 +242,14 @@ def load_into(model: torch.nn.Module, path: str | Path) -> None:
 
 def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Path, *,
                       dtype: str = "float32", tokenizer: str | None = None,
-                      log: Callable[[str], None] = print,
-                      adapter_only: bool = False) -> list[str]:
+                      log: Callable[[str], None] = print) -> list[str]:
     """Write a verified checkpoint's model weights as a Llama-format directory.
 
     The shape comes from the manifest (``model``), the tokenizer from the manifest unless
     given. Reads only the model's tensors (no optimizer state), on the CPU, no process group:
     DCP checkpoints directly, DeepSpeed ones (``writer: deepspeed``) through DeepSpeed's own
     consolidation of the ZeRO partitions. A LoRA / QLoRA checkpoint (``finetune`` in the
-    manifest) is merged into its base, or with ``adapter_only`` written as a peft adapter
-    (``trainer.hf_adapters``).
+    manifest) is exported by ``trainer.hf_adapters.export_adapted`` instead.
     """
     import torch
 
@@ -259,22 +257,10 @@ def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Pa
         raise ValueError(f"{step_url}: the manifest records no model shape (written before "
                          "exports were supported)")
     args = ModelArgs(**manifest["model"])
-    finetune = manifest.get("finetune")
-    if adapter_only and not finetune:
-        raise ValueError(f"{step_url}: not a LoRA/QLoRA checkpoint: it has no adapter")
-    if finetune:
-        from trainer import hf_adapters
-
-        if adapter_only:
-            written = hf_adapters.write_peft_adapter(out_dir, step_url, manifest, dtype=dtype)
-            log(f"exported the {finetune['method']} adapter of step {manifest.get('step')} "
-                f"(peft format, base {finetune.get('base')}) to {out_dir}: "
-                f"{', '.join(written)}")
-            return written
-        sd = hf_adapters.merged_weights(step_url, manifest)
-        log(f"merged {finetune['method']} adapters (rank {finetune['rank']}) into the base "
-            f"{finetune.get('base')}")
-    elif manifest.get("writer", "dcp") == "deepspeed":
+    if manifest.get("finetune"):
+        raise ValueError(f"{step_url}: a LoRA/QLoRA checkpoint holds adapters only: export it "
+                         "with trainer.hf_adapters.export_adapted")
+    if manifest.get("writer", "dcp") == "deepspeed":
         sd = _deepspeed_weights(step_url)
     elif manifest.get("writer", "dcp") == "dcp":
         sd = _dcp_weights(step_url, args)

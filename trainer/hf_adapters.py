@@ -16,6 +16,7 @@ adapters, and then either
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,3 +160,27 @@ def write_peft_adapter(out_dir: str | Path, step_url: str, manifest: dict[str, A
                bias="none", task_type="CAUSAL_LM",
                base_model_name_or_path=manifest["finetune"].get("base")).save_pretrained(out)
     return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
+
+
+def export_adapted(step_url: str, manifest: dict[str, Any], out_dir: str | Path, *,
+                   dtype: str = "float32", tokenizer: str | None = None,
+                   log: Callable[[str], None] = print, adapter_only: bool = False) -> list[str]:
+    """``export --to-hf`` of a LoRA/QLoRA checkpoint: the merged model as a Llama directory,
+    or with ``adapter_only`` the adapter in peft's format. Returns the files written."""
+    from trainer.hf import write_hf_dir
+
+    ft = manifest.get("finetune")
+    if not ft:
+        raise ValueError(f"{step_url}: not a LoRA/QLoRA checkpoint: it has no adapter")
+    if adapter_only:
+        written = write_peft_adapter(out_dir, step_url, manifest, dtype=dtype)
+        log(f"exported the {ft['method']} adapter of step {manifest.get('step')} (peft "
+            f"format, base {ft.get('base')}) to {out_dir}: {', '.join(written)}")
+        return written
+    sd = merged_weights(step_url, manifest)
+    tok = tokenizer if tokenizer is not None else manifest.get("tokenizer")
+    written = write_hf_dir(out_dir, sd, ModelArgs(**manifest["model"]), dtype=dtype,
+                           tokenizer=tok)
+    log(f"merged {ft['method']} adapters (rank {ft['rank']}) of step {manifest.get('step')} "
+        f"into the base {ft.get('base')}; exported to {out_dir}: {', '.join(written)}")
+    return written
