@@ -22,7 +22,7 @@ from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = 20
 LORA = {"method": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.1}
 STATE = ("app.model.", "app.optim.", "progress.", "data.", "schedule.")
 
@@ -66,7 +66,7 @@ def test_lora_checkpoint_holds_adapters_only(clean_lora: Path) -> None:
     assert len(weights) == 16 and all(".lora_A." in k or ".lora_B." in k for k in weights)
     assert any("attention.wqkv.lora_B" in k for k in weights)  # the fused layers are adapted
     assert any("feed_forward.w13.lora_A" in k for k in weights)
-    # B starts at zero: after 30 steps every B has moved.
+    # B starts at zero: after 20 steps every B has moved.
     assert all(sd[k].abs().sum() > 0 for k in weights if ".lora_B." in k)
     manifest = layout.verify(str(_step_dir(clean_lora))).manifest
     assert manifest is not None
@@ -76,20 +76,19 @@ def test_lora_checkpoint_holds_adapters_only(clean_lora: Path) -> None:
     assert "lora: base from" in log and "parameters train (rank 4)" in log
 
 
-def test_lora_two_kills_resume_bit_exactly(tmp_path: Path, dataset_dir: Path, hf_base: Path,
-                                           clean_lora: Path) -> None:
-    rng = random.Random()
-    first, second = rng.randrange(11, 19), rng.randrange(21, 29)
-    print(f"chaos kills at steps {first} and {second}")
+def test_lora_kill_resumes_bit_exactly(tmp_path: Path, dataset_dir: Path, hf_base: Path,
+                                       clean_lora: Path) -> None:
+    kill = random.Random().randrange(11, 19)  # after the first checkpoint (10)
+    print(f"chaos kill at step {kill}")
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer=_trainer(hf_base, LORA),
-                       chaos={"kill": [{"step": first}, {"step": second}], "seed": first})
+                       chaos={"kill": [{"step": kill}], "seed": kill})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
     st = status(tmp_path / "run")
     assert st["state"] == "COMPLETED"
-    assert [r["cause"] for r in st["restarts"]] == ["worker_exit", "worker_exit"]
+    assert [r["cause"] for r in st["restarts"]] == ["worker_exit"]
     resumed = [e["step"] for e in journal(tmp_path / "run") if e["kind"] == "resumed"]
-    assert resumed == [10, 20]
+    assert resumed == [10]
     a = final_state_dict(_step_dir(clean_lora))
     b = final_state_dict(_step_dir(tmp_path / "run"))
     # Adapters, both Adam moments of each, counters, data position, schedule: bit for bit.
