@@ -33,18 +33,17 @@ def _rss_mb() -> float:
 
 def measure(method: str, steps: int, mbs: int, seq: int, rank: int) -> dict:
     """One method in this process."""
+    # Imported by every method before the baseline: peft and torchao's own resident size
+    # (~100 MB) is not what LoRA costs per step.
+    import peft  # noqa: F401
     import torch
+    import torchao.quantization  # noqa: F401
 
     from trainer.backends.base import lm_loss
     from trainer.config import FinetuneConfig
     from trainer.finetune import add_adapters, quantize_base, trainable_counts
     from trainer.model import Transformer
     from trainer.presets import PRESETS
-
-    # Imported by every method before the baseline: peft and torchao's own resident size
-    # (~100 MB) is not what LoRA costs per step.
-    import peft  # noqa: F401
-    import torchao.quantization  # noqa: F401
 
     torch.set_num_threads(1)
     args = PRESETS["small"]

@@ -30,10 +30,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
-from common import header, write  # noqa: E402
-from gpu_train import H100_BF16_DENSE, _NoWorker, matmul_peak  # noqa: E402
+import torch
+from common import header, write
+from gpu_train import H100_BF16_DENSE, _NoWorker, matmul_peak
 
 _DCTX: Any = None
 

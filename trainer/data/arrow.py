@@ -35,7 +35,7 @@ import torch
 from trainer.data.dataset import Batch
 from trainer.data.prepare import local_path
 
-__all__ = ["ArrowTexts", "ArrowLoader", "source_files"]
+__all__ = ["ArrowLoader", "ArrowTexts", "source_files"]
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _DATASETS_STATE = "state.json"

@@ -32,13 +32,13 @@ class FP8Unsupported(RuntimeError):
 def fp8_capable(device: torch.device) -> tuple[bool, str]:
     """Whether ``device`` has FP8 tensor cores, and why not when it has none."""
     if device.type != "cuda":
-        return False, f"device {device.type} has no FP8 matmul (CUDA compute capability " \
-                      f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ needed: H100, H200, L40S)"
+        return False, (f"device {device.type} has no FP8 matmul (CUDA compute capability "
+                       f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ needed: H100, H200, L40S)")
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
-        return False, f"{name} has compute capability {cap[0]}.{cap[1]}; FP8 needs " \
-                      f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (H100, H200, L40S)"
+        return False, (f"{name} has compute capability {cap[0]}.{cap[1]}; FP8 needs "
+                       f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (H100, H200, L40S)")
     return True, ""
 
 
