@@ -32,6 +32,9 @@ class RankInfo(Message):
     last_step_ts: float | None = None  # wall time the rank's last step finished
     beat_ts: float | None = None  # wall time of the rank's last heartbeat
     step_interval_max: float | None = None  # largest recent step interval seen by the rank
+    # Who counts the steps: "sdk" (the script's step_done) or "hook" (the preload hook's
+    # optimizer-step count: a script with no SDK, judged by liveness until its first step).
+    progress: Literal["sdk", "hook"] | None = None
 
 
 class RegisterRequest(Message):
@@ -70,6 +73,9 @@ class RankExit(Message):
     signal: str | None = None
     ts: float
     log_tail: list[str] = Field(default_factory=list)
+    # The rank's own account of its failure: its @record error file's message, or the OS
+    # error of a spawn that failed (``job.entrypoint 'pyhton' not found``).
+    error: str | None = Field(None, max_length=4096)
 
 
 class RanksStarted(Message):

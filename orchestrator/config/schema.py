@@ -47,6 +47,26 @@ class JobConfig(Section):
         ),
     )
     run_root: str = Field("runs", description="Where `up` creates run directories.")
+    workdir: str | None = Field(
+        None,
+        description=(
+            "Working directory of every rank (created if missing; relative paths are taken "
+            "from the agent's directory). `{node_id}` is replaced by the node's id: with the "
+            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files. "
+            "Default: the agent's own working directory, as torchrun does."
+        ),
+    )
+    master_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Fixed MASTER_PORT of the rendezvous (default: a free port per launch).",
+    )
+    master_port_range: tuple[int, int] | None = Field(
+        None,
+        description=(
+            "Inclusive [low, high] range MASTER_PORT is picked from (a free port in it, for "
+            "firewalls that open only a range). Exclusive with master_port."
+        ),
+    )
 
     @field_validator("name")
     @classmethod
@@ -68,6 +88,32 @@ class JobConfig(Section):
                 "pass them through the environment of `orchestrator up`"
             )
         return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _check_workdir(cls, v: str | None) -> str | None:
+        if v is not None:
+            if not v.strip() or "\0" in v:
+                raise ValueError("must be a non-empty path")
+            try:
+                v.format(node_id="n")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"only {{node_id}} may be substituted ({exc})") from None
+        return v
+
+    @field_validator("master_port_range")
+    @classmethod
+    def _check_range(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and not 1024 <= v[0] <= v[1] <= 65535:
+            raise ValueError("must be [low, high] with 1024 <= low <= high <= 65535")
+        return v
+
+    @model_validator(mode="after")
+    def _one_port_setting(self) -> JobConfig:
+        if self.master_port is not None and self.master_port_range is not None:
+            raise FieldError("master_port_range", "set master_port or master_port_range, "
+                                                  "not both")
+        return self
 
 
 class SSHConfig(Section):

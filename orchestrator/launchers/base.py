@@ -59,9 +59,14 @@ class Launcher(abc.ABC):
         """Wait up to ``timeout`` for agents to exit (they were told to), then stop them."""
 
 
+# Our own processes run with a sys.path the working directory cannot shadow (Python 3.11's
+# -P): `up` started in a directory holding a user's `trainer.py` must not break the agents.
+SAFE_PATH = "-P"
+
+
 def agent_command(spec: AgentSpec, node_id: str, *, addr: str, procs: int,
                   orphan_timeout_s: float) -> list[str]:
-    return [spec.python, "-m", "orchestrator", "agent",
+    return [spec.python, SAFE_PATH, "-m", "orchestrator", "agent",
             "--head", spec.head_url, "--node-id", node_id, "--addr", addr,
             "--procs", str(procs), "--run-dir", str(spec.run_dir.root),
             "--orphan-timeout", str(orphan_timeout_s)]

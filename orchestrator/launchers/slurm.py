@@ -16,7 +16,14 @@ import shlex
 import shutil
 import subprocess
 
-from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
+from orchestrator.envcontract import token_env
+from orchestrator.launchers.base import (
+    SAFE_PATH,
+    AgentSpec,
+    Launcher,
+    pid_alive,
+    terminate_pids,
+)
 from orchestrator.launchers.ssh import REMOTE_ORPHAN_TIMEOUT_S
 
 
@@ -36,7 +43,8 @@ class SlurmLauncher(Launcher):
 
     def _agent_script(self, spec: AgentSpec, node_id: str) -> str:
         slurm = self.cfg.launcher.slurm
-        words = [spec.python, "-m", "orchestrator", "agent", "--head", spec.head_url,
+        words = [spec.python, SAFE_PATH, "-m", "orchestrator", "agent",
+                 "--head", spec.head_url,
                  "--procs", str(self.cfg.cluster.procs_per_node),
                  "--run-dir", str(spec.run_dir.root),
                  "--orphan-timeout", str(REMOTE_ORPHAN_TIMEOUT_S)]
@@ -47,7 +55,7 @@ class SlurmLauncher(Launcher):
     def _srun(self, spec: AgentSpec, args: list[str], node_id: str, name: str) -> None:
         if shutil.which("srun") is None:
             raise RuntimeError("launcher.kind slurm needs srun on the PATH")
-        env = {**os.environ, "ORCH_TOKEN": spec.token}
+        env = {**os.environ, **token_env(spec.token)}
         env.update(self.cfg.job.env)
         spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
         out = open(spec.run_dir.agents / f"{name}.srun.log", "ab")

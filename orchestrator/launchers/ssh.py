@@ -18,7 +18,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
+from orchestrator.envcontract import TOKEN
+from orchestrator.launchers.base import (
+    SAFE_PATH,
+    AgentSpec,
+    Launcher,
+    pid_alive,
+    terminate_pids,
+)
 
 # Remote agents outlive a dead supervisor (so training goes on) but not forever.
 REMOTE_ORPHAN_TIMEOUT_S = 900.0
@@ -89,12 +96,12 @@ class SSHLauncher(Launcher):
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         env_words = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
         agent = " ".join(shlex.quote(w) for w in [
-            spec.python, "-m", "orchestrator", "agent", "--head", spec.head_url,
+            spec.python, SAFE_PATH, "-m", "orchestrator", "agent", "--head", spec.head_url,
             "--node-id", node_id, "--addr", host.host,
             "--procs", str(self.cfg.cluster.procs_per_node),
             "--run-dir", str(spec.run_dir.root),
             "--orphan-timeout", str(REMOTE_ORPHAN_TIMEOUT_S)])
-        return (f"IFS= read -r ORCH_TOKEN && export ORCH_TOKEN && "
+        return (f"IFS= read -r {TOKEN} && export {TOKEN} && "
                 f"exec env {env_words} {agent}")
 
     def _spawn(self, spec: AgentSpec, node_id: str, host: Host) -> None:

@@ -442,24 +442,25 @@ class Supervisor:
         # The S3 endpoint (MinIO, ...) as botocore reads it, so every S3 client of a rank
         # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
         endpoint = self.cfg.checkpoint.endpoint_url
+        from orchestrator.envcontract import GenerationEnv
+
         return {
             **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
             **self.cfg.job.env,
-            "ORCH_JOB": self.cfg.job.name,
-            "ORCH_GENERATION": str(generation),
-            "ORCH_CHECKPOINT_ROOT": self.checkpoint_root,
-            "ORCH_SKIP_WINDOWS": json.dumps(self.view.skip_windows),
-            "ORCH_LR_SCALE": repr(self.view.lr_scale),
-            # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
-            "ORCH_RESUME_MAX_STEP": "" if self.intake.resume_max_step is None
-                                    else str(self.intake.resume_max_step),
-            "ORCH_COLLECTIVE_TIMEOUT_S": str(round(collective_timeout_s(
-                self.cfg.timeouts, self.intake.training_timeout), 1)),
-            "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
-                                      "fail_at_start_rank": chaos.fail_at_start_rank,
-                                      "slow_checkpoint_s": chaos.slow_checkpoint_s,
-                                      "slow_first_step_s": chaos.slow_first_step_s,
-                                      "kills": self.intake.chaos.pending()}),
+            **GenerationEnv(
+                job=self.cfg.job.name, generation=generation,
+                checkpoint_root=self.checkpoint_root, skip_windows=self.view.skip_windows,
+                lr_scale=self.view.lr_scale,
+                # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
+                resume_max_step=self.intake.resume_max_step,
+                collective_timeout_s=collective_timeout_s(self.cfg.timeouts,
+                                                          self.intake.training_timeout),
+                chaos={"poison_batches": chaos.poison_batches,
+                       "fail_at_start_rank": chaos.fail_at_start_rank,
+                       "slow_checkpoint_s": chaos.slow_checkpoint_s,
+                       "slow_first_step_s": chaos.slow_first_step_s,
+                       "kills": self.intake.chaos.pending()},
+            ).to_env(),
         }
 
     async def _watch(self, generation: int, adopting: bool = False) -> Outcome | None:
