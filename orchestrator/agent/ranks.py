@@ -45,10 +45,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def warm_module(entrypoint: list[str]) -> str | None:
-    """``python -m MODULE ...`` entrypoints can start in a spare; others cannot."""
-    if len(entrypoint) >= 3 and entrypoint[1] == "-m":
-        return entrypoint[2]
+def warm_module(entrypoint: list[str]) -> tuple[str, list[str]] | None:
+    """``python [flags] -m MODULE ARGS...`` entrypoints can start in a spare, as (MODULE,
+    ARGS); others cannot. Flags are single-letter interpreter options such as -P or -u."""
+    for i, word in enumerate(entrypoint[1:], start=1):
+        if word == "-m":
+            if i + 1 < len(entrypoint):
+                return entrypoint[i + 1], entrypoint[i + 2:]
+            return None
+        if not (word.startswith("-") and len(word) == 2 and word[1].isalpha()):
+            return None
     return None
 
 
@@ -177,7 +183,8 @@ class RankSet:
                 offset = log.tell()
                 if spares:
                     proc = spares[local_rank]
-                    await WarmPool.hand_off(proc, module, a.entrypoint[3:],
+                    assert module is not None
+                    await WarmPool.hand_off(proc, module[0], module[1],
                                             self._env(local_rank), str(log_path),
                                             cwd=str(cwd or os.getcwd()))
                 else:

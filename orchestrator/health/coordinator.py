@@ -277,7 +277,7 @@ class HealthCoordinator:
             await self._assign(node, order, node_rank=i, nproc=ppn, world_size=len(nodes) * ppn,
                                rank_offset=i * ppn, master_addr=master.addr,
                                master_port=master.free_port,
-                               entrypoint=[default_python(self.sup.cfg), "-m",
+                               entrypoint=[default_python(self.sup.cfg), "-P", "-m",
                                            "orchestrator.health.netcheck"],
                                env={**self.sup.cfg.job.env, "ORCH_JOB": self.sup.cfg.job.name})
         ids = [n.node_id for n in nodes]

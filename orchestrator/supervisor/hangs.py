@@ -112,6 +112,12 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
     if rp.progress_seen is None:
         return None
     limit = phase_timeout(cfg, rp.phase, training)
+    if rp.progress == "hook" and rp.step is None:
+        # A script without the SDK before its first optimizer step (or one that never
+        # steps one): no phase applies to it, only liveness; its beats stopping is the hang.
+        limit = cfg.node_lost_s
+        if rp.beat_received is not None and now - rp.beat_received <= limit:
+            return None
     idle = now - rp.progress_seen
     if idle <= limit:
         return None

@@ -28,6 +28,7 @@ class RankProgress:
     beat_ts: float | None = None  # the worker's timestamp of its newest beat
     progress_seen: float | None = None  # monotonic time the step or phase last changed
     step_interval_max: float | None = None
+    progress: str | None = None  # "hook": steps are the preload hook's optimizer count
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ProgressTracker:
             rp.step, rp.phase = info.step, info.phase
             rp.last_step_ts = info.last_step_ts
             rp.step_interval_max = info.step_interval_max
+            rp.progress = info.progress
 
     def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> bool:
         """Rank 0's step records: append to steps.jsonl, note first/last step, journal.
