@@ -1,11 +1,10 @@
 """Python stacks of a rank, from inside (faulthandler on SIGUSR1) or from outside (py-spy).
 
 The preload hook and the SDK install faulthandler on SIGUSR1, but a rank may not have it:
-the hook failed, the script replaced the handler, or the process is stopped (SIGSTOP, a
-debugger) and cannot run a handler at all. SIGUSR1's default action kills the process, so
-the agent asks ``/proc`` first and, where no handler would run, reads the stacks from
-outside with ``py-spy dump --nonblocking`` (a PyPI dependency), which works on a stopped
-process and never pauses or kills it.
+the hook was bypassed, or the script reset or replaced the handler. SIGUSR1's default action
+kills the process, so the agent asks ``/proc`` first and, where no handler would run, reads
+the stacks from outside with ``py-spy dump --nonblocking`` (a PyPI dependency), which works
+on a running or a stopped process and never pauses or kills it.
 """
 
 from __future__ import annotations
@@ -48,8 +47,10 @@ def stopped(pid: int) -> bool:
 
 
 def needs_outside_dump(pid: int, sig: signal.Signals = signal.SIGUSR1) -> bool:
-    """The signal would kill ``pid`` or wait unhandled: take its stacks from outside."""
-    return stopped(pid) or catches(pid, sig) is False
+    """The signal would kill ``pid`` (no handler): take its stacks from outside. A stopped
+    rank that has the handler gets the signal: it stays pending until the supervisor's
+    SIGCONT, and faulthandler answers it then."""
+    return catches(pid, sig) is False
 
 
 def pyspy() -> str | None:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.envcontract import JOB
 from orchestrator.health import catalog
 from orchestrator.health.base import (
     CheckResult,
@@ -279,7 +280,7 @@ class HealthCoordinator:
                                master_port=master.free_port,
                                entrypoint=[default_python(self.sup.cfg), "-P", "-m",
                                            "orchestrator.health.netcheck"],
-                               env={**self.sup.cfg.job.env, "ORCH_JOB": self.sup.cfg.job.name})
+                               env={**self.sup.cfg.job.env, JOB: self.sup.cfg.job.name})
         ids = [n.node_id for n in nodes]
         reports = await self._collect(nonce, "network", ids, timeout + _NET_STARTUP_S + 10.0)
         measured, errors = None, []

@@ -131,7 +131,10 @@ def test_healthy_run_longer_than_every_phase_timeout_ends_without_a_failure(
 
 def test_a_stopped_rank_is_found_named_and_both_stacks_are_dumped(
         tmp_path: Path, dataset_dir: Path) -> None:
-    cfg = _config(tmp_path, dataset_dir, {"STEPS": "100000", "STEP_S": "0.2"},
+    # Rank 1 reset SIGUSR1 to its default (which would kill it) and is then stopped: its
+    # stacks must come from outside (py-spy), rank 0's from its own faulthandler.
+    cfg = _config(tmp_path, dataset_dir, {"STEPS": "100000", "STEP_S": "0.2",
+                                          "DEFAULT_SIGUSR1_RANK": "1"},
                   timeouts={"training_floor_s": 3, "training_multiplier": 3})
     run_dir = tmp_path / "run"
     proc = _start(cfg, run_dir)
@@ -155,8 +158,12 @@ def test_a_stopped_rank_is_found_named_and_both_stacks_are_dumped(
     stacks = {Path(p).name: Path(p).read_text() for p in failure["stacks"]}
     assert set(stacks) == {"gen0001-rank00000.txt", "gen0001-rank00001.txt"}
     assert "torchrun_ddp.py" in stacks["gen0001-rank00000.txt"]  # faulthandler, in-process
-    assert "py-spy" in stacks["gen0001-rank00001.txt"]  # stopped: read from outside
+    assert "most recent call first" in stacks["gen0001-rank00000.txt"]
+    assert "stacks read from outside by py-spy" in stacks["gen0001-rank00001.txt"]
     assert "torchrun_ddp.py" in stacks["gen0001-rank00001.txt"]
+    # The dump did not kill it: rank 1 ended by the stop (SIGTERM), not by SIGUSR1.
+    exits = [e for e in journal(run_dir) if e["kind"] == "rank_exited" and e["rank"] == 1]
+    assert exits and exits[0]["signal"] != "SIGUSR1"
 
 
 def test_an_exception_under_record_is_the_root_cause_with_its_traceback(

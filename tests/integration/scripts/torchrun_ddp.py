@@ -8,10 +8,13 @@ Environment (all optional):
   RAISE_RANK  rank that raises ValueError ...
   RAISE_STEP  ... after this step (under @record, so its error file carries the traceback)
   SNAPSHOT    a file rank 0 saves {"step": n} to every 5 steps and every rank resumes from
+  DEFAULT_SIGUSR1_RANK  rank that resets SIGUSR1 to its default action (kills the process):
+              a script that replaced the stack-dump handler
 """
 
 import json
 import os
+import signal
 import time
 
 import torch
@@ -32,6 +35,8 @@ def main() -> None:
     snapshot = os.environ.get("SNAPSHOT")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if rank == int(os.environ.get("DEFAULT_SIGUSR1_RANK", "-1")):
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
