@@ -87,7 +87,9 @@ def test_rank_environment_matches_torchrun_variable_for_variable(
     ours_out = tmp_path / "orch-env"
     ours_out.mkdir()
     cfg = _config(tmp_path, dataset_dir, {"ENV_OUT": str(ours_out), "STEPS": "2"},
-                  cluster={"nodes": 1, "procs_per_node": 2}, restart={"max_restarts": 4})
+                  cluster={"nodes": 1, "procs_per_node": 2}, restart={"max_restarts": 4},
+                  job={"workdir": str(tmp_path / "work" / "{node_id}"),
+                       "master_port_range": [29600, 29699]})
     run_dir = tmp_path / "run"
     result = _finish(_start(cfg, run_dir, cwd=tmp_path), run_dir)
     assert status(run_dir)["state"] == "COMPLETED", result[-4000:]
@@ -106,6 +108,9 @@ def test_rank_environment_matches_torchrun_variable_for_variable(
         assert ours["TORCHELASTIC_MAX_RESTARTS"] == "4"
         assert Path(ours["TORCHELASTIC_ERROR_FILE"]).parent.is_dir()
         assert Path(ours["TORCHELASTIC_ERROR_FILE"]).is_relative_to(run_dir)
+        assert 29600 <= int(ours["MASTER_PORT"]) <= 29699  # job.master_port_range
+        # job.workdir, per node: both ranks run on local-0, in its own directory.
+        assert (ours_out / f"cwd-{rank}.txt").read_text() == str(tmp_path / "work" / "local-0")
 
 
 def test_healthy_run_longer_than_every_phase_timeout_ends_without_a_failure(
@@ -115,9 +120,12 @@ def test_healthy_run_longer_than_every_phase_timeout_ends_without_a_failure(
     # count alone, and start-up (importing torch on a busy machine can take longer than 12 s)
     # is judged by liveness, as no phase timeout applies before a script's first step.
     phases = {p: 12 for p in ("init", "loading", "compiling", "checkpointing", "evaluating")}
-    cfg = _config(tmp_path, dataset_dir, {"STEPS": "100", "STEP_S": "0.2"},
+    out = tmp_path / "env"
+    out.mkdir()
+    cfg = _config(tmp_path, dataset_dir, {"STEPS": "100", "STEP_S": "0.2", "ENV_OUT": str(out)},
                   timeouts={"phases": phases, "training_floor_s": 12,
-                            "training_multiplier": 3})
+                            "training_multiplier": 3},
+                  job={"workdir": str(tmp_path / "work" / "{node_id}")})
     run_dir = tmp_path / "run"
     result = _finish(_start(cfg, run_dir), run_dir)
     st = status(run_dir)
@@ -127,6 +135,9 @@ def test_healthy_run_longer_than_every_phase_timeout_ends_without_a_failure(
     first, last = [(e["ts"]) for e in journal(run_dir) if e["kind"] in ("first_step",)][0], \
         [e["ts"] for e in journal(run_dir) if e["kind"] == "transition"][-1]
     assert last - first > 12, "the run must outlast the longest phase timeout"
+    # job.workdir with {node_id}: each simulated node's rank in its own directory.
+    assert [(out / f"cwd-{r}.txt").read_text() for r in (0, 1)] == \
+        [str(tmp_path / "work" / "local-0"), str(tmp_path / "work" / "local-1")]
 
 
 def test_a_stopped_rank_is_found_named_and_both_stacks_are_dumped(

@@ -4,7 +4,8 @@
 Environment (all optional):
   STEPS       optimizer steps to run (default 20)
   STEP_S      seconds each step sleeps, standing in for compute (default 0)
-  ENV_OUT     directory: write this rank's environment there as rank-N.json, first thing
+  ENV_OUT     directory: write this rank's environment there as rank-N.json, first thing,
+              and its working directory as cwd-N.txt
   RAISE_RANK  rank that raises ValueError ...
   RAISE_STEP  ... after this step (under @record, so its error file carries the traceback)
   SNAPSHOT    a file rank 0 saves {"step": n} to every 5 steps and every rank resumes from
@@ -28,6 +29,8 @@ def main() -> None:
         path = os.path.join(out, f"rank-{os.environ['RANK']}.json")
         with open(path, "w") as f:
             json.dump(dict(os.environ), f)
+        with open(os.path.join(out, f"cwd-{os.environ['RANK']}.txt"), "w") as f:
+            f.write(os.getcwd())
     steps = int(os.environ.get("STEPS", "20"))
     step_s = float(os.environ.get("STEP_S", "0"))
     raise_rank = int(os.environ.get("RAISE_RANK", "-1"))
