@@ -35,6 +35,7 @@ class RankInfo(Message):
     # Who counts the steps: "sdk" (the script's step_done) or "hook" (the preload hook's
     # optimizer-step count: a script with no SDK, judged by liveness until its first step).
     progress: Literal["sdk", "hook"] | None = None
+    finished: bool = False  # the rank sent its last beat (worker SDK shutdown): tearing down
 
 
 class RegisterRequest(Message):

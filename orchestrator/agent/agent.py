@@ -156,6 +156,7 @@ class Agent:
                 info.last_step_ts, info.beat_ts = beat.last_step_ts, beat.beat_ts
                 info.step_interval_max = beat.interval_max
                 info.progress = beat.progress if beat.progress in ("sdk", "hook") else None
+                info.finished = beat.finished
             infos.append(info)
         return infos
 

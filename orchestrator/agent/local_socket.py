@@ -33,6 +33,7 @@ class BeatState:
     interval_max: float | None = None
     beat_ts: float | None = None
     progress: str | None = None  # "sdk" or "hook": who counts this rank's steps
+    finished: bool = False  # the rank's last beat: it is tearing down
 
 
 @dataclass
@@ -58,6 +59,7 @@ class LocalHub:
             st.beat_ts = msg.get("ts")
             progress = msg.get("progress")
             st.progress = progress if progress in ("sdk", "hook") else None
+            st.finished = msg.get("finished") is True
             recs = msg.get("records") or []
             if recs:
                 if self.records_generation != st.generation:

@@ -112,6 +112,10 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
     if rp.progress_seen is None:
         return None
     limit = phase_timeout(cfg, rp.phase, training)
+    if rp.finished:
+        # Past its last step and tearing down (process groups, interpreter exit): as slow
+        # as starting up on a busy host, so it gets the start-up timeout.
+        limit = max(limit, cfg.phases.init)
     if rp.progress == "hook" and rp.step is None:
         # A script without the SDK before its first optimizer step (or one that never
         # steps one): no phase applies to it, only liveness; its beats stopping is the hang.

@@ -29,6 +29,7 @@ class RankProgress:
     progress_seen: float | None = None  # monotonic time the step or phase last changed
     step_interval_max: float | None = None
     progress: str | None = None  # "hook": steps are the preload hook's optimizer count
+    finished: bool = False  # sent its last beat; tearing down
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ProgressTracker:
             rp.last_step_ts = info.last_step_ts
             rp.step_interval_max = info.step_interval_max
             rp.progress = info.progress
+            rp.finished = info.finished
 
     def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> bool:
         """Rank 0's step records: append to steps.jsonl, note first/last step, journal.

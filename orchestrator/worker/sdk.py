@@ -97,6 +97,7 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file: Any = None
+        self._finished = False  # close() was called: the rank is tearing down
         # Who reports this rank's steps: "sdk" (the script calls step_done) or "hook" (the
         # preload hook counts optimizer steps; the script has not called the SDK).
         self.progress = "sdk"
@@ -113,7 +114,11 @@ class Worker:
         return self
 
     def close(self) -> None:
-        """Send a last beat (with the last records) and stop the beat thread."""
+        """Send a last beat (with the last records, marked ``finished``) and stop the beat
+        thread. Tearing down (process groups, interpreter exit) can take seconds on a busy
+        host after the last step; ``finished`` tells the supervisor that this silence is
+        not a hang."""
+        self._finished = True
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
@@ -215,7 +220,7 @@ class Worker:
                    "phase": self._phase, "last_step_ts": self._last_step_ts,
                    "interval_max": max(self._intervals) if self._intervals else None,
                    "ts": self._clock(), "records": self._records,
-                   "progress": self.progress}
+                   "progress": self.progress, "finished": self._finished}
             records, self._records = self._records, []
         if not self._send(msg) and records:
             with self._lock:  # keep them for the next beat

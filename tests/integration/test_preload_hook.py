@@ -97,6 +97,7 @@ def test_a_script_using_the_sdk_reports_its_own_steps(tmp_path: Path) -> None:
     hub, out = asyncio.run(scenario())
     assert out.returncode == 0, out.stderr[-3000:]
     assert hub.beats[0].step == 43 and hub.beats[0].progress == "sdk"
+    assert hub.beats[0].finished  # shutdown's last beat: tearing down, not hung
     assert [r["step"] for r in hub.records] == [41, 42, 43]
 
 

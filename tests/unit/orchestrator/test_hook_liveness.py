@@ -39,3 +39,13 @@ def test_a_hook_rank_that_stepped_is_judged_by_the_training_timeout() -> None:
                beat_received=999.0, step_interval_max=2.0)
     [suspect] = find_hangs(gen, CFG, TrainingTimeout(CFG, None), now=1000.0)
     assert suspect.timeout_s == CFG.training_floor_s and suspect.step == 5
+
+
+def test_a_rank_tearing_down_after_its_last_beat_gets_the_start_up_timeout() -> None:
+    # 5 s since its last step and beat, past the 2 s training timeout: it said it finished.
+    cfg = TimeoutsConfig(node_lost_s=10, phases={"init": 30, "training": 2})
+    gen = _gen(phase="training", progress="sdk", step=25, progress_seen=995.0,
+               beat_received=995.0, finished=True)
+    assert find_hangs(gen, cfg, TrainingTimeout(cfg, None), now=1000.0) == []
+    gen.ranks[0].finished = False
+    assert [s.rank for s in find_hangs(gen, cfg, TrainingTimeout(cfg, None), now=1000.0)] == [0]
