@@ -7,6 +7,7 @@ import os
 import subprocess
 
 from orchestrator.envcontract import token_env
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import (
     AgentSpec,
     Launcher,
@@ -42,7 +43,7 @@ class LocalLauncher(Launcher):
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         out.close()
         self._procs[node_id] = proc
-        self.record("agent_spawned", node_id=node_id, pid=proc.pid, launcher=self.kind)
+        self.record(AgentSpawned(node_id=node_id, pid=proc.pid, launcher=self.kind))
 
     async def start(self, spec: AgentSpec) -> None:
         for i in range(self.wanted_nodes):

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 
 from orchestrator.envcontract import token_env
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import (
     SAFE_PATH,
     AgentSpec,
@@ -66,7 +67,7 @@ class SlurmLauncher(Launcher):
                                 stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         self._steps.append(proc)
-        self.record("agent_spawned", node_id=name, pid=proc.pid, launcher=self.kind)
+        self.record(AgentSpawned(node_id=name, pid=proc.pid, launcher=self.kind))
 
     async def start(self, spec: AgentSpec) -> None:
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")

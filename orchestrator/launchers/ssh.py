@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.envcontract import TOKEN
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import (
     SAFE_PATH,
     AgentSpec,
@@ -116,8 +117,8 @@ class SSHLauncher(Launcher):
         proc.stdin.close()
         self._procs[node_id] = proc
         self._by_node[node_id] = host
-        self.record("agent_spawned", node_id=node_id, pid=proc.pid, launcher=self.kind,
-                    host=host.host)
+        self.record(AgentSpawned(node_id=node_id, pid=proc.pid, launcher=self.kind,
+                                 host=host.host))
 
     async def start(self, spec: AgentSpec) -> None:
         for i, host in enumerate(self.hosts[: self.wanted_nodes]):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,7 +19,28 @@ from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest
 from orchestrator.supervisor.intake import UnknownNode
 
 if TYPE_CHECKING:
-    from orchestrator.supervisor.core import Supervisor
+    from orchestrator.jobview import JobView
+    from orchestrator.rundir import RunDir
+    from orchestrator.supervisor.bookkeeper import BookKeeper
+    from orchestrator.supervisor.intake import Intake
+    from orchestrator.supervisor.metrics import SupervisorMetrics
+
+
+class SupervisorApi(Protocol):
+    """What the API serves from: the supervisor, seen only through these (no import of it,
+    so the server and the supervisor form no cycle)."""
+
+    token: str
+    intake: Intake
+    rundir: RunDir
+    books: BookKeeper
+    metrics: SupervisorMetrics
+    log: Any
+
+    @property
+    def view(self) -> JobView: ...
+
+    def request_stop(self, reason: str = "operator") -> None: ...
 
 # An agent's long-poll waits at most this long for a new assignment, then asks again.
 _POLL_MAX_S = 30.0
@@ -30,7 +51,7 @@ _MAX_BODY = 32 * 2**20
 
 
 class ApiServer:
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: SupervisorApi) -> None:
         self.sup = sup
         self._runner: web.AppRunner | None = None
         app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._guard])
