@@ -170,6 +170,7 @@ def torchrun(work: Path, hang_cap: float) -> dict[str, float | None]:
                             env=env, start_new_session=True, cwd=work)
     lines = _Lines(proc)
     out: dict[str, float | None] = {}
+    workers: list[int] = []  # torchrun starts each worker in a session of its own
     try:
         _wait(lambda: lines.after(0, "rank 1: step 10 "), 300, "torchrun at step 10")
         killed = time.time()
@@ -178,8 +179,9 @@ def torchrun(work: Path, hang_cap: float) -> dict[str, float | None]:
         first = _wait(lambda: lines.after(resumed[0], ": step "), 300, "trains again")
         out["recovery_s"] = round(first[0] - killed, 2)
         _wait(lambda: lines.after(first[0] + 2.5, ": step "), 300, "steady again")
+        workers = [p for p in (_children_rank(proc.pid, r) for r in (0, 1)) if p]
         stopped = time.time()
-        os.kill(_children_rank(proc.pid, 1), signal.SIGSTOP)
+        os.kill(workers[1], signal.SIGSTOP)
         try:
             found = _wait(lambda: lines.after(stopped, "resuming at step")
                           or proc.poll() is not None, hang_cap, "torchrun hang")
@@ -187,6 +189,11 @@ def torchrun(work: Path, hang_cap: float) -> dict[str, float | None]:
         except TimeoutError:
             out["hang_detect_s"] = None
     finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return out
