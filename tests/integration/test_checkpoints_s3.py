@@ -365,3 +365,42 @@ def test_a_remote_manifest_naming_paths_outside_its_step_is_refused(
     assert not list(tmp_path.rglob("planted*"))
     assert not (tmp_path / "local" / "job" / "step-00000002").exists()
     b.ckpt.close()
+
+
+def test_a_wrong_key_stops_the_job_instead_of_starting_over(
+        tmp_path: Path, pg: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints signed with another key (or unsigned) and nothing else to resume: the
+    restore raises naming the keys, rather than training from scratch over them. With the
+    old key, or unsigned ones trusted, it resumes."""
+    from trainer.checkpoint import signing
+    from trainer.checkpoint.checkpointer import CheckpointTrustError
+
+    cfg = CheckpointConfig(url=str(tmp_path / "ckpt"), keep_last=3)
+    a = Trainee(cfg)
+    a.step()
+    a.ckpt.save(1, a.state, 1)
+    a.ckpt.wait()
+    a.ckpt.close()
+    old = os.environ[signing.KEY_FILE_ENV]
+    monkeypatch.setenv(signing.KEY_FILE_ENV,
+                       str(signing.write_key_file(tmp_path / "another.key")))
+    b = Trainee(cfg)
+    with pytest.raises(CheckpointTrustError, match="refused for their signature.*another"):
+        b.ckpt.restore(b.state)
+    assert [e["signature"] for e in b.events.named("checkpoint_skipped")] == [signing.FORGED]
+    b.ckpt.close()
+    monkeypatch.setenv(signing.KEY_FILE_ENV, old)
+    c = Trainee(cfg)
+    assert c.ckpt.restore(c.state)["step"] == 1
+    c.ckpt.close()
+    # The same checkpoint unsigned (an import, an older version): refused, then trusted.
+    step = tmp_path / "ckpt" / "job" / "step-00000001"
+    m = layout.read_manifest(str(step))
+    layout.write_manifest(str(step), {k: v for k, v in m.items() if k != "signature"})
+    e = Trainee(cfg)
+    with pytest.raises(CheckpointTrustError, match="unsigned"):
+        e.ckpt.restore(e.state)
+    e.ckpt.close()
+    d = Trainee(cfg.model_copy(update={"trust_unsigned": True}))
+    assert d.ckpt.restore(d.state)["step"] == 1
+    d.ckpt.close()

@@ -29,7 +29,6 @@ import concurrent.futures
 import errno
 import hashlib
 import json
-import mmap
 import os
 import posixpath
 import re
@@ -55,6 +54,7 @@ CHECKSUM = "blake3"
 CRYPTOGRAPHIC = ("blake3", "sha256")  # digests a signature can vouch for
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _CHUNK = 8 * 2**20
+_BLAKE3_CHUNK = 16 * 2**20
 _THREADS = 8  # files checksummed at once: hashing releases the GIL, remote reads overlap
 _MANIFEST_MAX = 256 * 2**20  # a manifest larger than this is not one of ours
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -283,19 +283,22 @@ def _stream(factory: Callable[[], Any]) -> Callable[[IO[bytes]], str]:
 
 
 def _digest_blake3(f: IO[bytes]) -> str:
-    """BLAKE3 of a file: a local file is mapped and hashed on every core (the binding
-    releases the GIL); anything else streams in chunks."""
+    """BLAKE3 of a file, streamed in 16 MiB chunks, each hashed on every core (the binding
+    releases the GIL). Not memory-mapped: a file truncated meanwhile must be an error, not
+    a SIGBUS that kills the process."""
     import blake3
 
-    try:
-        fileno = f.fileno()
-        size = os.fstat(fileno).st_size
-    except (AttributeError, OSError, ValueError):
-        fileno, size = -1, 0
-    if fileno >= 0 and size > 0:
-        with mmap.mmap(fileno, 0, access=mmap.ACCESS_READ) as m:
-            return blake3.blake3(m, max_threads=blake3.blake3.AUTO).hexdigest()
-    return _stream(blake3.blake3)(f)
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    buf = bytearray(_BLAKE3_CHUNK)
+    view = memoryview(buf)
+    readinto = getattr(f, "readinto", None)
+    if readinto is None:
+        while chunk := f.read(_BLAKE3_CHUNK):
+            h.update(chunk)
+        return h.hexdigest()
+    while n := readinto(buf):
+        h.update(view[:n])
+    return h.hexdigest()
 
 
 def _digest_crc32(f: IO[bytes]) -> int:
@@ -368,6 +371,7 @@ class StepReader:
 
     def _remote_listing(self) -> dict[str, dict[str, Any]]:
         if self._listing is None:  # one LIST for the whole step, not a HEAD per file
+            self.fs.invalidate_cache(self.path)  # another process may have written since
             found = self.fs.find(self.path, withdirs=False, detail=True)
             base = self.path.rstrip("/") + "/"
             self._listing = {k[len(base):]: v for k, v in found.items() if k.startswith(base)}
@@ -571,8 +575,12 @@ def verify(step_url: str, checksums: bool = True,
     if problems:
         return Verification(False, problems, manifest, outcome)
     files: dict[str, dict[str, Any]] = manifest["files"]
+    try:
+        reader = StepReader(fs, path)
+    except Unsafe as exc:  # replaced by a link, or removed, since it was checked above
+        return Verification(False, [str(exc)], manifest, outcome)
 
-    with StepReader(fs, path) as reader:
+    with reader:
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, meta = item
             try:
