@@ -330,8 +330,6 @@ def _deepspeed_weights(step_url: str) -> dict[str, torch.Tensor]:
     model states file."""
     import os
 
-    import torch
-
     from trainer.checkpoint import layout
 
     if layout.is_remote(step_url):

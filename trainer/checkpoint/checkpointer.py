@@ -6,8 +6,9 @@ tiering, else the only one); training blocks only for the staging. When rank 0's
 completes, every rank's files and DCP's ``.metadata`` are written (DCP gathers all ranks'
 write results before finishing), so rank 0 then digests the files (BLAKE3), signs the
 manifest with the job's key and writes ``manifest.json`` last: the commit. Digests and
-signature are computed in the commit thread, never on the training thread. With a remote tier, the commit then queues the step for
-the background uploader (``upload``). At most one save is in flight.
+signature are computed in the commit thread, never on the training thread. With a remote
+tier, the commit then queues the step for the background uploader (``upload``). At most one
+save is in flight.
 
 A failed save (disk full, ...) is reported, its partial directory removed, and training goes
 on from the previous checkpoint; ``max_save_failures`` failures in a row end the worker with
