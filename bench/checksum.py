@@ -102,6 +102,7 @@ def main() -> None:
     files = _through_layout(data[0], args.rounds)
     doc = {"bench": "checksum", **header(),
            "buffer_mib": args.mib, "chunk_mib": CHUNK // 2**20, "rounds": args.rounds,
+           "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
            "results": results,
            "file_end_to_end_gb_s": files,
            "chosen": "blake3",
@@ -110,7 +111,7 @@ def main() -> None:
                   "SHA-256 stays one core per file"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"checksum-{doc['date'][:10].replace('-', '')}.json"
+    path = out / f"checksum-{doc['date'][:16].replace('-', '').replace(':', '')}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}")
 

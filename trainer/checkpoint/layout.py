@@ -8,11 +8,12 @@ exists; it is loaded only when the manifest's signature and every file verify. A
 without a manifest (a save or an upload killed midway) is never loaded.
 
 **Digests.** BLAKE3 (the ``blake3`` package): a cryptographic hash, so a signed manifest
-vouches for the bytes. On the 2-core CI machine it hashes 2.0 GB/s on one thread and 2.7 on
-both from one buffer (multi-threaded inside), against 1.5 for SHA-256 (SHA-NI) and 16.7 for
-XXH3-64, the non-cryptographic checksum of format 1 (bench/checksum.py, bench/results/).
-BLAKE3's threads scale with the cores of a GPU host, SHA-256 does not. Manifests of format 1
-(XXH3-64 or CRC32, unsigned) still verify, for an operator who trusts them.
+vouches for the bytes. On one core of the 2-core CI machine it hashes 4.4 GB/s against 1.7
+for SHA-256 (SHA-NI) and 19.2 for XXH3-64, the non-cryptographic checksum of format 1; its
+own threads take it to 8.4 GB/s on two cores and scale with a GPU host's, where SHA-256
+stays at one core per file (bench/checksum.py, bench/results/checksum-20261122T1901.json).
+Manifests of format 1 (XXH3-64 or CRC32, unsigned) still verify, for an operator who
+trusts them (``signing.Trust.trust_unsigned``).
 
 **Containment.** A manifest entry is a relative POSIX path of plain components
 (``entry_problem``); anything else fails verification naming the entry, and nothing is
