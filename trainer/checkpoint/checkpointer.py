@@ -366,6 +366,7 @@ class Checkpointer:
 
     def _select(self, max_step: int | None) -> Choice | None:
         """Rank 0: the newest checkpoint that verifies, each refusal journaled."""
+        _ = self.store.trust  # the job's key, read (or created) now: a bad one stops the start
         def skipped(tier: str, info: layout.CheckpointInfo, problems: list[str]) -> None:
             self.log(f"checkpoint step {info.step} ({tier}) at {info.url} fails "
                      f"verification, skipped: {'; '.join(problems)}")
