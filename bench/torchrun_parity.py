@@ -179,9 +179,10 @@ def torchrun(work: Path, hang_cap: float) -> dict[str, float | None]:
         first = _wait(lambda: lines.after(resumed[0], ": step "), 300, "trains again")
         out["recovery_s"] = round(first[0] - killed, 2)
         _wait(lambda: lines.after(first[0] + 2.5, ": step "), 300, "steady again")
-        workers = [p for p in (_children_rank(proc.pid, r) for r in (0, 1)) if p]
+        stuck = _children_rank(proc.pid, 1)
+        workers = [p for p in (_children_rank(proc.pid, 0), stuck) if p]
         stopped = time.time()
-        os.kill(workers[1], signal.SIGSTOP)
+        os.kill(stuck, signal.SIGSTOP)
         try:
             found = _wait(lambda: lines.after(stopped, "resuming at step")
                           or proc.poll() is not None, hang_cap, "torchrun hang")

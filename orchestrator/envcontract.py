@@ -29,6 +29,8 @@ ORCH_HEALTH_NET                agent           the network check's spec (JSON ob
 ORCH_HEALTH_OUT                agent           where the network check writes its report
 ORCH_WARM_HANDOFF_TS           warm spare      wall time a spare was handed its rank
 ORCH_HOOK_PID                  preload hook    pid of the rank the hook serves (children skip)
+ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled)
+ORCH_CHECKPOINT_KEY_FILE       supervisor      path of the checkpoint signing key file
 =============================  ==============  ==================================================
 """
 
@@ -58,10 +60,13 @@ HEALTH_NET = "ORCH_HEALTH_NET"
 HEALTH_OUT = "ORCH_HEALTH_OUT"
 WARM_HANDOFF_TS = "ORCH_WARM_HANDOFF_TS"
 HOOK_PID = "ORCH_HOOK_PID"
+CHECKPOINT_KEY = "ORCH_CHECKPOINT_KEY"  # read by trainer.checkpoint.signing
+CHECKPOINT_KEY_FILE = "ORCH_CHECKPOINT_KEY_FILE"  # read by trainer.checkpoint.signing
 
 ALL = (TOKEN, AGENT_SOCKET, CONFIG, NODE_ID, HEARTBEAT_INTERVAL, RUN_DIR, JOB, GENERATION,
        CHECKPOINT_ROOT, SKIP_WINDOWS, LR_SCALE, RESUME_MAX_STEP, COLLECTIVE_TIMEOUT_S, CHAOS,
-       HEALTH_NET, HEALTH_OUT, WARM_HANDOFF_TS, HOOK_PID)
+       HEALTH_NET, HEALTH_OUT, WARM_HANDOFF_TS, HOOK_PID, CHECKPOINT_KEY,
+       CHECKPOINT_KEY_FILE)
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 _MAX_LEN = 1 << 20  # a JSON value past 1 MiB in the environment is a bug, not a config
