@@ -226,7 +226,13 @@ class ApiServer:
                                               ledger=self.sup.books.refresh()))
 
     async def _parse(self, request: web.Request, model: type[BaseModel]) -> Any:
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=request.client_max_size, actual_size=request.content_length or 0,
+                text=json.dumps({"error": "body is larger than api.max_body_mb"}),
+                content_type="application/json") from None
         try:
             return model.model_validate_json(
                 raw, context={"max_json_depth": self.api.max_json_depth})
