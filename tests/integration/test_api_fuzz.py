@@ -65,12 +65,12 @@ class Live:
         headers = {"Authorization": f"Bearer {token or self.cred}",
                    "Content-Type": "application/json"}
         for attempt in range(2):
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-                self.conn.connect()
-                # No Nagle: a small request must not wait for the server's delayed ACK.
-                self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
+                if self.conn is None:
+                    self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+                    self.conn.connect()
+                    # No Nagle: a small request must not wait for the server's delayed ACK.
+                    self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.conn.request(method, path, body=body, headers=headers)
                 resp = self.conn.getresponse()
                 data = resp.read()
@@ -78,12 +78,15 @@ class Live:
                     self.conn.close()
                     self.conn = None
                 return resp.status, data
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                # An idle keep-alive connection the server closed (header_timeout_s): one
-                # fresh connection; a second failure is the supervisor's.
-                self.conn.close()
-                self.conn = None
-                if attempt:
+            except (OSError, http.client.HTTPException) as exc:
+                if self.conn is not None:
+                    self.conn.close()
+                    self.conn = None
+                # An idle keep-alive connection the server closed (header_timeout_s) gets one
+                # fresh connection; anything else, or a second failure, is the supervisor's.
+                stale = isinstance(exc, http.client.RemoteDisconnected | ConnectionResetError |
+                                   BrokenPipeError)
+                if attempt or not stale:
                     raise
         raise AssertionError("unreachable")
 
