@@ -54,6 +54,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator import events as ev
+from orchestrator.events import Envelope, parse_event
+
 BADPUT_CATEGORIES = (
     "provisioning", "health_check", "startup", "checkpoint_save", "checkpoint_restore",
     "wasted_progress", "failure_detection", "recovery", "data_loading", "other",
@@ -175,49 +178,53 @@ class Books:
         self.newest_ckpt = 0
 
     # -- folding -------------------------------------------------------------------------
-    def apply(self, e: dict[str, Any]) -> None:
-        kind, ts = e.get("kind"), e.get("ts")
-        if ts is None:
-            return
-        ts = float(ts)
-        if kind == "job_created":
+    def apply(self, env: Envelope | dict[str, Any]) -> None:
+        """Fold one event (a raw dict, a test's or a tool's, is parsed first; one that does
+        not parse is skipped as the journal reader would)."""
+        if isinstance(env, dict):
+            parsed, _ = parse_event(env)
+            if parsed is None:
+                return
+            env = parsed
+        e, ts = env.event, env.ts
+        if isinstance(e, ev.JobCreated):
             self.created_ts = ts
-            self.total_steps = int(e.get("steps") or 0)
-            self.nodes_needed = int(e.get("nodes") or 0)
+            self.total_steps = e.steps
+            self.nodes_needed = e.nodes
             self._nodes_changed(ts)
-        elif kind == "supervisor_started" and e.get("resumed") and self.last_ts is not None:
+        elif isinstance(e, ev.SupervisorStarted) and e.resumed and self.last_ts is not None:
             self.gaps.append((self.last_ts, ts))
-        elif kind == "transition":
-            self._on_transition(ts, str(e["to"]), e.get("cause"))
-        elif kind == "generation_launched":
-            gen = self._gen(int(e["generation"]))
-            gen.launched, gen.launch_resume = True, e.get("resume_step")
+        elif isinstance(e, ev.Transition):
+            self._on_transition(ts, e.to.value, e.cause.value if e.cause else None)
+        elif isinstance(e, ev.GenerationLaunched):
+            gen = self._gen(e.generation)
+            gen.launched, gen.launch_resume = True, e.resume_step
             if not self.windows or self.windows[-1].end is not None:
                 self.windows.append(_Window(ts))  # a journal without the LAUNCHING move
             self.windows[-1].gen = gen.number
             gen.window_start = self.windows[-1].start
-        elif kind == "resumed" and e.get("generation") is not None:
-            gen = self._gen(int(e["generation"]))
-            gen.resumed_step = int(e.get("step") or 0)
-            gen.load_s = float(e.get("load_s") or 0.0)
-        elif kind == "rank_exited" and (e.get("exit_code") or e.get("signal")) \
-                and self._window_open_for(e.get("generation")):
+        elif isinstance(e, ev.WorkerNote) and e.kind == "resumed" and e.generation is not None:
+            gen = self._gen(e.generation)
+            gen.resumed_step = e.step or 0
+            gen.load_s = e.load_s or 0.0
+        elif isinstance(e, ev.RankExited) and (e.exit_code or e.signal) \
+                and self._window_open_for(e.generation):
             # Exits after the stop decision are our own SIGTERMs, not the failure.
-            gen = self._gen(int(e["generation"]))
-            exit_ts = float(e.get("exit_ts") or ts)
+            gen = self._gen(e.generation)
+            exit_ts = e.exit_ts if e.exit_ts is not None else ts
             gen.exit_ts = exit_ts if gen.exit_ts is None else min(gen.exit_ts, exit_ts)
-        elif kind == "failure" and e.get("generation") is not None:
-            self._gen(int(e["generation"])).failure_ckpt = e.get("newest_checkpoint_step") or 0
-        elif kind == "checkpoint_committed":
-            self.newest_ckpt = int(e.get("step") or 0)
-        elif kind == "node_registered":
+        elif isinstance(e, ev.Failure) and e.generation is not None:
+            self._gen(e.generation).failure_ckpt = e.newest_checkpoint_step or 0
+        elif isinstance(e, ev.CheckpointCommitted):
+            self.newest_ckpt = e.step
+        elif isinstance(e, ev.NodeRegistered):
             # As the node registry does: a lost or exited agent that comes back is usable
             # again; an excluded node stays out.
-            if self.node_state.get(e["node_id"]) in (None, "lost", "exited"):
-                self.node_state[e["node_id"]] = "registered"
+            if self.node_state.get(e.node_id) in (None, "lost", "exited"):
+                self.node_state[e.node_id] = "registered"
             self._nodes_changed(ts)
-        elif kind == "node_state":
-            self.node_state[e["node_id"]] = str(e.get("state"))
+        elif isinstance(e, ev.NodeStateChanged):
+            self.node_state[e.node_id] = e.state.value
             self._nodes_changed(ts)
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
 
@@ -447,9 +454,10 @@ def _num(v: Any) -> float:
     return f if f == f else 0.0
 
 
-def compute_books(events: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]],
-                  now: float) -> Ledger:
-    """The books of a journal and its step records at ``now`` (one pass over each)."""
+def compute_books(events: Iterable[Envelope | dict[str, Any]],
+                  records: Iterable[dict[str, Any]], now: float) -> Ledger:
+    """The books of a journal and its step records at ``now`` (one pass over each). Raw
+    dicts (tests, tools) are parsed first; one that does not parse is skipped."""
     books = Books()
     for e in events:
         books.apply(e)

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator import events as ev
+from orchestrator.events import Envelope, parse_event
 from orchestrator.state import JobState
 
 
@@ -64,121 +66,122 @@ class JobView:
     last_failure_reason: str | None = None
     health: list[dict[str, Any]] = field(default_factory=list)
     first_steps: dict[int, int] = field(default_factory=dict)
+    recovery_delay_s: float | None = None  # the backoff of the newest RECOVERING move
 
     @classmethod
-    def from_events(cls, events: Iterable[dict[str, Any]]) -> JobView:
+    def from_events(cls, events: Iterable[Envelope | dict[str, Any]]) -> JobView:
         view = cls()
         for event in events:
             view.apply(event)
         return view
 
     # -- folding ---------------------------------------------------------------------------
-    def apply(self, e: dict[str, Any]) -> None:
-        kind = e.get("kind")
-        self.last_ts = e.get("ts", self.last_ts)
-        handler = getattr(self, f"_on_{kind}", None)
+    def apply(self, env: Envelope | dict[str, Any]) -> None:
+        """Fold one event. A raw dict (a test's, a tool's) is parsed first; one that does
+        not parse is ignored, as the journal reader would skip its line."""
+        if isinstance(env, dict):
+            parsed, _ = parse_event(env)
+            if parsed is None:
+                return
+            env = parsed
+        self.last_ts = env.ts
+        handler = getattr(self, f"_on_{env.event.kind}", None)
         if handler is not None:
-            handler(e)
+            handler(env.event, env.ts)
 
-    def _on_job_created(self, e: dict[str, Any]) -> None:
-        self.job = e.get("job", "")
-        self.run_dir = e.get("run_dir", "")
-        self.config_hash = e.get("config_hash", "")
-        self.world_size = e.get("world_size", 0)
-        self.total_steps = e.get("steps", 0)
-        self.checkpoint_root = e.get("checkpoint_root", "")
-        self.created_ts = e.get("ts")
+    def _on_job_created(self, e: ev.JobCreated, ts: float) -> None:
+        self.job, self.run_dir, self.config_hash = e.job, e.run_dir, e.config_hash
+        self.world_size, self.total_steps = e.world_size, e.steps
+        self.checkpoint_root = e.checkpoint_root
+        self.created_ts = ts
 
-    def _on_supervisor_started(self, e: dict[str, Any]) -> None:
-        self.supervisor_starts.append({"ts": e.get("ts"), "pid": e.get("pid"),
-                                       "resumed": e.get("resumed", False)})
+    def _on_supervisor_started(self, e: ev.SupervisorStarted, ts: float) -> None:
+        self.supervisor_starts.append({"ts": ts, "pid": e.pid, "resumed": e.resumed})
 
-    def _on_transition(self, e: dict[str, Any]) -> None:
-        self.state = JobState(e["to"])
+    def _on_transition(self, e: ev.Transition, ts: float) -> None:
+        self.state = e.to
+        if e.to is JobState.RECOVERING:
+            self.recovery_delay_s = e.delay_s
         if self.state.terminal:
-            self.ended_ts = e.get("ts")
+            self.ended_ts = ts
             if self.state is JobState.FAILED:
-                self.last_failure_reason = e.get("reason")
+                self.last_failure_reason = e.reason
 
-    def _on_node_registered(self, e: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(e["node_id"], NodeView(e["node_id"]))
-        node.host = e.get("host", node.host)
-        node.agent_pid = e.get("agent_pid", node.agent_pid)
-        node.history.append({"ts": e.get("ts"), "event": "registered"})
+    def _on_node_registered(self, e: ev.NodeRegistered, ts: float) -> None:
+        node = self.nodes.setdefault(e.node_id, NodeView(e.node_id))
+        node.host = e.host or node.host
+        node.agent_pid = e.agent_pid if e.agent_pid is not None else node.agent_pid
+        node.history.append({"ts": ts, "event": "registered"})
 
-    def _on_node_state(self, e: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(e["node_id"], NodeView(e["node_id"]))
-        node.state = e["state"]
-        if "node_rank" in e:
-            node.node_rank = e["node_rank"]
-        node.history.append({"ts": e.get("ts"), "event": e["state"],
-                             "reason": e.get("reason")})
+    def _on_node_state(self, e: ev.NodeStateChanged, ts: float) -> None:
+        node = self.nodes.setdefault(e.node_id, NodeView(e.node_id))
+        node.state = e.state.value
+        if "node_rank" in e.model_fields_set:
+            node.node_rank = e.node_rank
+        node.history.append({"ts": ts, "event": e.state.value, "reason": e.reason})
 
-    def _on_generation_launched(self, e: dict[str, Any]) -> None:
-        self.generation = e["generation"]
-        self.launches.append(e)
+    def _on_generation_launched(self, e: ev.GenerationLaunched, ts: float) -> None:
+        self.generation = e.generation
+        self.launches.append({**e.fields(), "ts": ts})
         if self.generation > 1:
-            self.restarts.append({"generation": self.generation, "ts": e.get("ts"),
-                                  "cause": e.get("after_cause"),
-                                  "resume_step": e.get("resume_step")})
+            self.restarts.append({"generation": self.generation, "ts": ts,
+                                  "cause": e.after_cause.value if e.after_cause else None,
+                                  "resume_step": e.resume_step})
 
-    def _on_failure(self, e: dict[str, Any]) -> None:
-        self.failures.append({k: v for k, v in e.items() if k not in ("seq", "kind")})
-        node = self.nodes.get(e.get("node_id") or "")
+    def _on_failure(self, e: ev.Failure, ts: float) -> None:
+        self.failures.append({**e.fields(), "ts": ts})
+        node = self.nodes.get(e.node_id or "")
         if node is not None:
-            node.history.append({"ts": e.get("ts"), "event": "failure",
-                                 "reason": f"{e.get('cause')}: {e.get('message')}"})
+            node.history.append({"ts": ts, "event": "failure",
+                                 "reason": f"{e.cause.value}: {e.message}"})
 
-    def _on_checkpoint_committed(self, e: dict[str, Any]) -> None:
-        tier = e.get("tier") or _tier_of(e.get("path"))
+    def _on_checkpoint_committed(self, e: ev.CheckpointCommitted, ts: float) -> None:
+        tier = e.tier or _tier_of(e.path)
         self.checkpoints = [c for c in self.checkpoints
-                            if (c["step"], c["tier"]) != (e["step"], tier)]
-        self.checkpoints.append({"step": e["step"], "path": e.get("path"), "tier": tier,
-                                 "tokens": e.get("tokens"), "ts": e.get("ts"),
-                                 "generation": e.get("generation")})
+                            if (c["step"], c["tier"]) != (e.step, tier)]
+        self.checkpoints.append({"step": e.step, "path": e.path, "tier": tier,
+                                 "tokens": e.tokens, "ts": ts, "generation": e.generation})
         self.checkpoints.sort(key=lambda c: (c["step"], c["tier"]))
-        self.pruned.discard((e["step"], tier))  # saved again after a rollback pruned it
-        if (e["step"], "*") in self.pruned:
-            self.pruned.discard((e["step"], "*"))
-            self.pruned.update((e["step"], t) for t in ("local", "remote") if t != tier)
+        self.pruned.discard((e.step, tier))  # saved again after a rollback pruned it
+        if (e.step, "*") in self.pruned:
+            self.pruned.discard((e.step, "*"))
+            self.pruned.update((e.step, t) for t in ("local", "remote") if t != tier)
 
-    def _on_checkpoint_pruned(self, e: dict[str, Any]) -> None:
+    def _on_checkpoint_pruned(self, e: ev.CheckpointPruned, ts: float) -> None:
         # No tier named: pruned everywhere ("*"), e.g. a rollback discarding its lineage.
-        tiers = [e["tier"]] if e.get("tier") else ["*"]
-        self.pruned.update((s, t) for s in e.get("steps", []) for t in tiers)
+        tiers = [e.tier] if e.tier else ["*"]
+        self.pruned.update((s, t) for s in e.steps for t in tiers)
 
-    def _on_first_step(self, e: dict[str, Any]) -> None:
-        self.first_steps[e["generation"]] = e["step"]
+    def _on_first_step(self, e: ev.FirstStep, ts: float) -> None:
+        self.first_steps[e.generation] = e.step
 
-    def _on_progress(self, e: dict[str, Any]) -> None:
-        self.last_step = e.get("step", self.last_step)
-        self.tokens = e.get("tokens", self.tokens)
+    def _on_progress(self, e: ev.Progress, ts: float) -> None:
+        self.last_step = e.step
+        self.tokens = e.tokens if e.tokens is not None else self.tokens
 
-    def _on_chaos(self, e: dict[str, Any]) -> None:
-        self.chaos_fired.add(str(e["id"]))
+    def _on_chaos(self, e: ev.Chaos, ts: float) -> None:
+        self.chaos_fired.add(e.id)
 
-    def _on_calibration(self, e: dict[str, Any]) -> None:
-        self.calibration = {k: v for k, v in e.items() if k not in ("seq", "kind", "ts")}
+    def _on_calibration(self, e: ev.Calibration, ts: float) -> None:
+        self.calibration = {**e.fields(), "ts": ts}
 
-    def _on_rollback(self, e: dict[str, Any]) -> None:
-        self.rollbacks.append({k: v for k, v in e.items() if k not in ("seq", "kind")})
-        window = e.get("skip_window")
-        if window:
-            self.skip_windows.append(list(window))
-        self.lr_scale = e.get("lr_scale_total", self.lr_scale)
+    def _on_rollback(self, e: ev.Rollback, ts: float) -> None:
+        self.rollbacks.append({**e.fields(), "ts": ts})
+        if e.skip_window:
+            self.skip_windows.append(list(e.skip_window))
+        self.lr_scale = e.lr_scale_total
         self.divergence = None
 
-    def _on_stability(self, e: dict[str, Any]) -> None:
+    def _on_stability(self, e: ev.StabilityFired, ts: float) -> None:
         self.stability_events += 1
-        kind = str(e.get("event", "?"))
-        self.stability_counts[kind] = self.stability_counts.get(kind, 0) + 1
+        self.stability_counts[e.event] = self.stability_counts.get(e.event, 0) + 1
         # The first rollback-action firing of a generation is the one the supervisor acts on.
-        first = self.divergence is None or self.divergence.get("generation") != e.get("generation")
-        if e.get("action") in ("rollback", "lower_lr") and first:
-            self.divergence = {k: v for k, v in e.items() if k not in ("seq", "kind")}
+        first = self.divergence is None or self.divergence.get("generation") != e.generation
+        if e.action in ("rollback", "lower_lr") and first:
+            self.divergence = {**e.fields(), "ts": ts}
 
-    def _on_health(self, e: dict[str, Any]) -> None:
-        self.health.append({k: v for k, v in e.items() if k not in ("seq", "kind")})
+    def _on_health(self, e: ev.HealthResult, ts: float) -> None:
+        self.health.append({**e.fields(), "ts": ts})
 
     # -- derived -----------------------------------------------------------------------------
     @property

@@ -10,13 +10,13 @@ from typing import Any
 from collections.abc import Iterator
 
 from orchestrator.books import Ledger, compute_books
-from orchestrator.journal import read_events
+from orchestrator.journal import read_journal
 from orchestrator.jobview import JobView
 from orchestrator.rundir import RunDir
 
 
 def load_view(run: RunDir) -> JobView:
-    return JobView.from_events(read_events(run.journal))
+    return JobView.from_events(read_journal(run.journal))
 
 
 def read_records(path: Path) -> Iterator[dict[str, Any]]:
@@ -35,7 +35,7 @@ def read_records(path: Path) -> Iterator[dict[str, Any]]:
 
 def load_books(run: RunDir, now: float | None = None) -> Ledger:
     """The goodput books of a run directory, at ``now`` while the job is live."""
-    return compute_books(read_events(run.journal), read_records(run.steps),
+    return compute_books(read_journal(run.journal), read_records(run.steps),
                          time.time() if now is None else now)
 
 

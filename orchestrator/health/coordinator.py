@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator import events as ev
 from orchestrator.health import catalog
 from orchestrator.health.base import (
     CheckResult,
@@ -42,8 +42,8 @@ from orchestrator.state import NodeState
 from orchestrator.supervisor.placement import _id_key
 
 if TYPE_CHECKING:
-    from orchestrator.supervisor.core import Supervisor
-    from orchestrator.supervisor.nodes import NodeRecord
+    from orchestrator.supervisor.context import JobContext
+    from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 
 _POLL_S = 0.2
 # The network test's ranks start a Python with torch and rendezvous: allow for that beyond
@@ -52,9 +52,15 @@ _NET_STARTUP_S = 60.0
 
 
 class HealthCoordinator:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.cfg = sup.cfg.health
+    """Health rounds over the registry's nodes; excludes the bad ones (through the node
+    state machine) and re-checks them. ``stop_requested`` ends a wait early."""
+
+    def __init__(self, ctx: JobContext, nodes: NodeRegistry,
+                 stop_requested: asyncio.Event) -> None:
+        self.ctx = ctx
+        self.nodes = nodes
+        self.stop_requested = stop_requested
+        self.cfg = ctx.cfg.health
         self._reports: dict[tuple[str, str], dict[str, tuple[HealthReport, float]]] = {}
         self._arrived = asyncio.Event()
         self.excluded: dict[str, str] = {}  # node -> why, for nodes this module took out
@@ -69,7 +75,7 @@ class HealthCoordinator:
     # -- policy -----------------------------------------------------------------------------
     def level_now(self) -> Level | None:
         """Preflight's level before the first launch, after_failure's afterwards."""
-        first = self.sup.view.generation == 0
+        first = self.ctx.view.generation == 0
         return self.cfg.level(self.cfg.preflight if first else self.cfg.after_failure)
 
     async def check_new(self, level: Level, checked: set[str]) -> bool:
@@ -78,7 +84,7 @@ class HealthCoordinator:
         Nodes checked earlier in the same phase join the network stage as peers, so a late
         spare or a replacement is measured against the others, not alone.
         """
-        usable = sorted((n for n in self.sup.intake.nodes.nodes.values() if n.usable),
+        usable = sorted((n for n in self.nodes.nodes.values() if n.usable),
                         key=lambda n: _id_key(n.node_id))
         fresh = [n for n in usable if n.node_id not in checked]
         if not fresh:
@@ -89,16 +95,16 @@ class HealthCoordinator:
 
     async def recheck_excluded(self, level: Level, checked: set[str]) -> None:
         """``on_insufficient: wait``: every ``retry_interval_s``, check the excluded again."""
-        now = time.monotonic()
+        now = self.ctx.clock.monotonic()
         if self._retry_at is None:
             self._retry_at = now + self.cfg.retry_interval_s
-            self.sup.log.warning("too few healthy nodes; waiting and re-checking",
+            self.ctx.log.warning("too few healthy nodes; waiting and re-checking",
                                  every_s=self.cfg.retry_interval_s, excluded=self.excluded)
             return
         if now < self._retry_at:
             return
         self._retry_at = None
-        nodes = self.sup.intake.nodes.nodes
+        nodes = self.nodes.nodes
         again = [nodes[n] for n in sorted(self.excluded, key=_id_key)
                  if n in nodes and nodes[n].state is NodeState.EXCLUDED]
         if again:
@@ -120,22 +126,19 @@ class HealthCoordinator:
                 reason = f"health: {describe_failures(bad)}"
                 self.excluded[node.node_id] = reason
                 if node.state is not NodeState.EXCLUDED:
-                    node.node_rank = None
-                    self.sup.intake.set_node_state(node, NodeState.EXCLUDED, node_rank=None,
-                                                   reason=reason)
-                    self.sup.log.warning("node excluded by health checks", node=node.node_id,
+                    self.nodes.move(node, NodeState.EXCLUDED, node_rank=None, reason=reason)
+                    self.ctx.log.warning("node excluded by health checks", node=node.node_id,
                                          reason=reason)
             elif self.excluded.pop(node.node_id, None) is not None:
-                self.sup.intake.set_node_state(node, NodeState.REGISTERED,
-                                               reason="passed health checks again")
+                self.nodes.move(node, NodeState.REGISTERED, reason="passed health checks again")
         return results
 
     def insufficient(self, needed: int) -> str:
         """Why the job cannot launch: each node health excluded, and why."""
-        healthy = [n for n in self.sup.intake.nodes.nodes.values() if n.usable]
+        healthy = [n for n in self.nodes.nodes.values() if n.usable]
         names = "; ".join(f"{n} ({why.removeprefix('health: ')})"
                           for n, why in sorted(self.excluded.items()))
-        lost = [n.node_id for n in self.sup.intake.nodes.with_state(NodeState.LOST)]
+        lost = [n.node_id for n in self.nodes.with_state(NodeState.LOST)]
         return (f"health checks left {len(healthy)} healthy node(s) of the {needed} the job "
                 f"needs and no spare can take the place of the bad ones: {names}"
                 + (f"; lost: {', '.join(lost)}" if lost else ""))
@@ -146,9 +149,9 @@ class HealthCoordinator:
         """Both stages over ``nodes`` (``peers``, checked before, join the network stage);
         every result journaled; results by node."""
         nonce = secrets.token_hex(6)
-        start = time.monotonic()
+        start = self.ctx.clock.monotonic()
         ids = [n.node_id for n in nodes]
-        self.sup.log.info("health round", level=level.value, nodes=ids, round=nonce)
+        self.ctx.log.info("health round", level=level.value, nodes=ids, round=nonce)
         results = await self._node_stage(nonce, nodes, level)
         if any(c.where == "network" and c.runs_at(level) for c in catalog.CHECKS):
             healthy = [n for n in nodes if n.state is not NodeState.LOST and
@@ -161,9 +164,9 @@ class HealthCoordinator:
         for stage in ("node", "network"):  # late reports of this round are not waited for
             self._reports.pop((nonce, stage), None)
         failed_checks = {n: [r.check for r in rs if not r.ok] for n, rs in results.items()}
-        self.sup.record("health_round", round=nonce, level=level.value, nodes=ids,
-                        failed={n: c for n, c in failed_checks.items() if c},
-                        duration_s=round(time.monotonic() - start, 3))
+        self.ctx.record(ev.HealthRound(round=nonce, level=level.value, nodes=ids,
+                                       failed={n: c for n, c in failed_checks.items() if c},
+                                       duration_s=round(self.ctx.clock.monotonic() - start, 3)))
         return results
 
     async def _node_stage(self, nonce: str, nodes: list[NodeRecord],
@@ -171,8 +174,8 @@ class HealthCoordinator:
         names = [c.name for c in catalog.node_checks(level)]
         timeout = sum(self.cfg.timeout_of(n) for n in names) + self.cfg.report_grace_s
         probe_dir, probe_note = self._shared_fs_dir(nonce, len(nodes))
-        cluster = self.sup.cfg.cluster
-        issued = self.sup.clock.time()
+        cluster = self.ctx.cfg.cluster
+        issued = self.ctx.clock.time()
         try:
             for node in nodes:
                 probe = None if probe_dir is None else SharedFsProbe(
@@ -181,8 +184,8 @@ class HealthCoordinator:
                 ctx = build_node_context(
                     self.cfg, nonce=nonce, node_id=node.node_id, level=level, checks=names,
                     accelerator=cluster.accelerator, devices=cluster.procs_per_node,
-                    checkpoint_root=self.sup.checkpoint_root, shared_fs=probe,
-                    shared_fs_note=probe_note, job_env=self.sup.cfg.job.env)
+                    checkpoint_root=self.ctx.checkpoint_root, shared_fs=probe,
+                    shared_fs_note=probe_note, job_env=self.ctx.cfg.job.env)
                 await self._assign(node, HealthOrder(
                     nonce=nonce, stage="node", context=ctx.model_dump(mode="json"),
                     timeout_s=timeout))
@@ -240,24 +243,24 @@ class HealthCoordinator:
             "is a different filesystem from the head's")})
 
     def _shared_fs_dir(self, nonce: str, count: int) -> tuple[Path | None, str]:
-        root = self.sup.checkpoint_root
+        root = self.ctx.checkpoint_root
         if not is_local(root):
             return None, f"the checkpoint root {root} is an object store"
-        if count < 2 and self.sup.cfg.cluster.nodes + self.sup.cfg.cluster.spares < 2:
+        if count < 2 and self.ctx.cfg.cluster.nodes + self.ctx.cfg.cluster.spares < 2:
             return None, "a single node shares nothing"
         path = local_path(root) / ".health"
         try:
             path.mkdir(parents=True, exist_ok=True)
             (path / f"{nonce}.head").write_text(nonce)
         except OSError as exc:
-            self.sup.log.warning("health: cannot write the shared-filesystem probe",
+            self.ctx.log.warning("health: cannot write the shared-filesystem probe",
                                  path=str(path), error=str(exc))
             return None, f"the head cannot write under {root}: {exc.strerror or exc}"
         return path, ""
 
     async def _network_stage(self, nonce: str, nodes: list[NodeRecord],
                              level: Level) -> dict[str, list[CheckResult]]:
-        cfg, cluster = self.cfg, self.sup.cfg.cluster
+        cfg, cluster = self.cfg, self.ctx.cfg.cluster
         ppn = cluster.procs_per_node
         if len(nodes) * ppn < 2 or not nodes:
             return {}
@@ -277,16 +280,16 @@ class HealthCoordinator:
             await self._assign(node, order, node_rank=i, nproc=ppn, world_size=len(nodes) * ppn,
                                rank_offset=i * ppn, master_addr=master.addr,
                                master_port=master.free_port,
-                               entrypoint=[default_python(self.sup.cfg), "-m",
+                               entrypoint=[default_python(self.ctx.cfg), "-m",
                                            "orchestrator.health.netcheck"],
-                               env={**self.sup.cfg.job.env, "ORCH_JOB": self.sup.cfg.job.name})
+                               env={**self.ctx.cfg.job.env, "ORCH_JOB": self.ctx.cfg.job.name})
         ids = [n.node_id for n in nodes]
         reports = await self._collect(nonce, "network", ids, timeout + _NET_STARTUP_S + 10.0)
         measured, errors = None, []
         for node_id in ids:
             report = reports.get(node_id, (None, 0.0))[0]
             if report is not None and report.free_port:
-                self.sup.intake.nodes.nodes[node_id].free_port = report.free_port
+                self.nodes.nodes[node_id].free_port = report.free_port
             if report is not None and report.measured and measured is None:
                 measured = report.measured
             elif report is not None and report.error:
@@ -313,7 +316,7 @@ class HealthCoordinator:
 
     # -- plumbing ---------------------------------------------------------------------------
     async def _assign(self, node: NodeRecord, order: HealthOrder, **fields: Any) -> None:
-        await self.sup.intake.nodes.assign(node.node_id, action="health",
+        await self.nodes.assign(node.node_id, action="health",
                                            health=order.model_dump(), **fields)
 
     async def _collect(self, nonce: str, stage: str, node_ids: list[str],
@@ -321,25 +324,32 @@ class HealthCoordinator:
         """Reports of this stage until every live node has sent one or the deadline passes."""
         from orchestrator.supervisor.policy import OperatorStop
 
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        nodes = self.sup.intake.nodes.nodes
+        clock = self.ctx.clock
+        deadline = clock.monotonic() + timeout
+        nodes = self.nodes.nodes
         while True:
-            self.sup.intake.mark_silent_nodes_lost()
+            self.nodes.mark_silent_lost(self.ctx.cfg.timeouts.node_lost_s)
             have = self._reports.get((nonce, stage), {})
             pending = [n for n in node_ids if n not in have and nodes[n].state is not
                        NodeState.LOST]
-            if not pending or loop.time() > deadline:
+            if not pending or clock.monotonic() > deadline:
                 return dict(have)
-            if self.sup.stop_requested.is_set():
+            if self.stop_requested.is_set():
                 raise OperatorStop()
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), _POLL_S)
+                await clock.wait_for(self._arrived.wait(), _POLL_S)
 
     def _journal(self, nonce: str, results: list[CheckResult]) -> None:
         for r in results:
-            self.sup.record("health", round=nonce, **r.model_dump(mode="json"))
+            data = r.model_dump(mode="json")
+            data["message"] = str(data.get("message", ""))[:4096]
+            try:
+                event = ev.HealthResult(round=nonce, **data)
+            except ValueError:  # details beyond the journal's bounds: the verdict is kept
+                data.pop("details", None)
+                event = ev.HealthResult(round=nonce, **data)
+            self.ctx.record(event)
             if not r.ok:
-                self.sup.log.warning("health check failed", node=r.node_id, check=r.check,
+                self.ctx.log.warning("health check failed", node=r.node_id, check=r.check,
                                      severity=r.severity.value, message=r.message)

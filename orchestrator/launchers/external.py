@@ -7,6 +7,7 @@ its ``--node-id`` (``SupervisorClient``), which works but lets that pod act as t
 
 from __future__ import annotations
 
+from orchestrator.events import AgentsExpected
 from orchestrator.launchers.base import AgentSpec, Launcher
 
 
@@ -14,8 +15,8 @@ class ExternalLauncher(Launcher):
     kind = "kubernetes"
 
     async def start(self, spec: AgentSpec) -> None:
-        self.record("agents_expected", count=self.wanted_nodes, launcher=self.kind,
-                    head_url=spec.head_url)
+        self.record(AgentsExpected(count=self.wanted_nodes, launcher=self.kind,
+                                   head_url=spec.head_url))
 
     async def close(self, timeout: float) -> None:
         return None  # the pods' controller owns their lifecycle

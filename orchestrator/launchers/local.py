@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import (
     AgentSpec,
     Launcher,
@@ -41,7 +42,7 @@ class LocalLauncher(Launcher):
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         out.close()
         self._procs[node_id] = proc
-        self.record("agent_spawned", node_id=node_id, pid=proc.pid, launcher=self.kind)
+        self.record(AgentSpawned(node_id=node_id, pid=proc.pid, launcher=self.kind))
 
     async def start(self, spec: AgentSpec) -> None:
         for i in range(self.wanted_nodes):

@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
 from orchestrator.launchers.ssh import REMOTE_ORPHAN_TIMEOUT_S
 
@@ -64,7 +65,7 @@ class SlurmLauncher(Launcher):
                                 stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         self._steps.append(proc)
-        self.record("agent_spawned", node_id=name, pid=proc.pid, launcher=self.kind)
+        self.record(AgentSpawned(node_id=name, pid=proc.pid, launcher=self.kind))
 
     async def start(self, spec: AgentSpec) -> None:
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")

@@ -18,6 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
 
 # Remote agents outlive a dead supervisor (so training goes on) but not forever.
@@ -111,8 +112,8 @@ class SSHLauncher(Launcher):
         proc.stdin.close()
         self._procs[node_id] = proc
         self._by_node[node_id] = host
-        self.record("agent_spawned", node_id=node_id, pid=proc.pid, launcher=self.kind,
-                    host=host.host)
+        self.record(AgentSpawned(node_id=node_id, pid=proc.pid, launcher=self.kind,
+                                 host=host.host))
 
     async def start(self, spec: AgentSpec) -> None:
         for i, host in enumerate(self.hosts[: self.wanted_nodes]):

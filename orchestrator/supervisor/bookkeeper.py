@@ -16,6 +16,7 @@ from typing import Any
 
 from orchestrator.books import Books, Ledger
 from orchestrator.clock import Clock
+from orchestrator.events import Envelope, parse_event
 from orchestrator.logs import get_logger
 from orchestrator.rundir import RunDir
 from orchestrator.supervisor.metrics import SupervisorMetrics
@@ -73,16 +74,18 @@ class BookKeeper:
         self.ledger = self.refresh(on_event=metrics.on_event, on_record=metrics.on_record,
                                    at_last_event=True)
 
-    def refresh(self, on_event: Callable[[dict[str, Any]], None] | None = None,
+    def refresh(self, on_event: Callable[[Envelope], None] | None = None,
                 on_record: Callable[[dict[str, Any]], None] | None = None,
                 at_last_event: bool = False) -> Ledger:
         """Fold the new lines (journal first: a generation's launch precedes its records),
         snapshot at now, and bring the metrics' counters up to the books."""
-        for event in self._journal.new_lines():
-            if "kind" in event:
-                self.books.apply(event)
-                if on_event is not None:
-                    on_event(event)
+        for raw in self._journal.new_lines():
+            event, _ = parse_event(raw)
+            if event is None:  # the journal's readers report such lines; books skip them
+                continue
+            self.books.apply(event)
+            if on_event is not None:
+                on_event(event)
         for rec in self._steps.new_lines():
             self.books.add_record(rec)
             if on_record is not None:

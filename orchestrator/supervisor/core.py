@@ -10,50 +10,55 @@ and one log line.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from orchestrator import events as ev
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
+from orchestrator.events import Envelope, Event
 from orchestrator.health.base import Level
 from orchestrator.health.coordinator import HealthCoordinator
-from orchestrator.journal import Journal, read_events
 from orchestrator.jobview import JobView
+from orchestrator.journal import Journal, SkipReport, read_journal
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
 from orchestrator.rundir import RunDir
 from orchestrator.state import Cause, JobState, NodeState, check_transition
 from orchestrator.supervisor.bookkeeper import BookKeeper
+from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.discovery import ScrapeTarget
-from orchestrator.supervisor.hangs import collective_timeout_s
-from orchestrator.supervisor.intake import Intake, Observation
+from orchestrator.supervisor.generation import GenerationParts
+from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.metrics import SupervisorMetrics
-from orchestrator.supervisor.placement import Placement, _id_key, place
-from orchestrator.supervisor.policy import GenerationFailed, OperatorStop, RestartPolicy
+from orchestrator.supervisor.nodes import NodeRegistry
+from orchestrator.supervisor.outcome import JobFailed, Outcome
+from orchestrator.supervisor.policy import OperatorStop, RestartPolicy
+from orchestrator.supervisor.recorder import Recorder
+from orchestrator.supervisor.selection import NodeSelection
 from orchestrator.supervisor.stability import StabilityHook
 
-# How often the observe loop wakes without news, to check silences and timeouts.
-_TICK_S = 0.2
 
 
-class JobFailed(Exception):
-    """The job cannot go on (not enough nodes, budget spent): FAILED with this reason."""
-
-    def __init__(self, reason: str, cause: Cause | None = None) -> None:
-        super().__init__(reason)
-        self.cause = cause
+class _Adopt:
+    """Carried into the first handler when a restarted supervisor re-attaches."""
 
 
-@dataclass
-class Outcome:
-    """How a generation ended: ``cause`` and the facts behind it."""
+_ADOPT = _Adopt()
 
-    cause: Cause
-    detail: dict[str, Any]
+
+@dataclass(frozen=True)
+class Next:
+    """What a state handler returns: the next state, why, and what the next handler needs."""
+
+    state: JobState
+    cause: Cause | None = None
+    reason: str | None = None
+    delay_s: float | None = None
+    carry: Any = None
 
 
 class Supervisor:
@@ -67,40 +72,50 @@ class Supervisor:
         self.clock = clock
         self.resumed = resumed
         self.log = get_logger("orchestrator.supervisor")
-        self.view = JobView.from_events(read_events(run.journal))
+        self.journal_skipped = SkipReport()
+        view = JobView.from_events(read_journal(run.journal, self.journal_skipped))
         self.journal = Journal(run.journal, clock=clock.time)
         self.metrics = SupervisorMetrics(registry or CollectorRegistry(), cfg.job.name)
         self.metrics.set_info(cfg.trainer.model.preset, cfg.cluster.accelerator)
         self.books = BookKeeper(run, self.metrics, clock)  # replays the run dir into metrics
+        self.recorder = Recorder(self.journal, view, self.metrics)
+        self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
+        self.ctx = JobContext(cfg, run, clock, self.recorder, self.log, self.checkpoint_root)
         self.policy = RestartPolicy(cfg.restart)
         self.token = run.ensure_token(os.environ.get("ORCH_TOKEN") or None)
         self.launcher = launcher or build_launcher(cfg, self.record)
-        self.intake = Intake(self)
-        self.stability = StabilityHook(self)
-        self.health = HealthCoordinator(self)
-        self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
-        self.url = ""
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
-        self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
+        self.nodes = NodeRegistry(clock, self.record, self.metrics.set_nodes)
+        self.stability = StabilityHook(self.ctx)
+        self.health = HealthCoordinator(self.ctx, self.nodes, self.stop_requested)
+        self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report)
+        self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
+                                     self.stop_requested, self.transition)
+        self.selection = NodeSelection(self.ctx, self.intake, self.health, self.launcher,
+                                       self.agent_spec, self.stop_requested)
+        self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
+        self.url = ""
+
+    @property
+    def view(self) -> JobView:
+        return self.recorder.view
 
     # -- journal and state -----------------------------------------------------------------
-    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def record(self, event: Event, *, durable: bool = False) -> Envelope:
         """Write a journal event and fold it into the view and the metrics."""
-        event = self.journal.append(kind, **fields)
-        self.view.apply(event)
-        self.metrics.on_event(event)
-        return event
+        return self.recorder.record(event, durable=durable)
 
     def transition(self, target: JobState, *, cause: Cause | None = None,
-                   reason: str | None = None, **fields: Any) -> None:
-        """The one way the job changes state: checked, journaled, logged once."""
+                   reason: str | None = None, delay_s: float | None = None) -> None:
+        """The one way the job changes state: checked, journaled (on disk before the next
+        step acts on it), logged once."""
         current = self.view.state
         check_transition(current, target)
-        self.record("transition", **{"from": current.value, "to": target.value,
-                                     "cause": cause.value if cause else None,
-                                     "reason": reason, "generation": self.view.generation,
-                                     **fields})
+        self.record(ev.Transition(**{"from": current}, to=target, cause=cause,
+                                  reason=None if reason is None else reason[:4096],
+                                  generation=self.view.generation, delay_s=delay_s),
+                    durable=True)
         self.log.info("job state", from_state=current.value, to_state=target.value,
                       cause=cause.value if cause else None, reason=reason,
                       generation=self.view.generation)
@@ -130,8 +145,13 @@ class Supervisor:
                 self._record_created()
             gap = self.clock.time() - self.view.last_ts if self.resumed and self.view.last_ts \
                 else None
-            self.record("supervisor_started", pid=os.getpid(), url=self.url,
-                        resumed=self.resumed, gap_s=gap)
+            if self.journal_skipped.lines:
+                self.record(ev.JournalSkipped(lines=self.journal_skipped.lines,
+                                              reasons=self.journal_skipped.reasons))
+                self.log.warning("journal lines skipped", lines=self.journal_skipped.lines,
+                                 reasons=self.journal_skipped.reasons[:5])
+            self.record(ev.SupervisorStarted(pid=os.getpid(), url=self.url,
+                                             resumed=self.resumed, gap_s=gap), durable=True)
             if not self.view.state.terminal:
                 await self._drive()
         finally:
@@ -153,141 +173,145 @@ class Supervisor:
 
     def _record_created(self) -> None:
         self.rundir.config.write_text(_dump_yaml(self.cfg))
-        self.record("job_created", job=self.cfg.job.name, run_dir=str(self.rundir.root),
-                    config_hash=config_hash(self.cfg), world_size=self.cfg.cluster.world_size,
-                    nodes=self.cfg.cluster.nodes, spares=self.cfg.cluster.spares,
-                    steps=self.cfg.trainer.steps, checkpoint_root=self.checkpoint_root,
-                    launcher=self.cfg.launcher.kind)
+        self.record(ev.JobCreated(
+            job=self.cfg.job.name, run_dir=str(self.rundir.root),
+            config_hash=config_hash(self.cfg), world_size=self.cfg.cluster.world_size,
+            nodes=self.cfg.cluster.nodes, spares=self.cfg.cluster.spares,
+            steps=self.cfg.trainer.steps, checkpoint_root=self.checkpoint_root,
+            launcher=self.cfg.launcher.kind), durable=True)
 
     def agent_spec(self) -> AgentSpec:
         from orchestrator.launchers.base import default_python
 
         return AgentSpec(self.url, self.token, self.rundir, default_python(self.cfg))
 
+    # -- the template loop ---------------------------------------------------------------
     async def _drive(self) -> None:
-        adopt = False
-        try:
-            await self._provision()
-            adopt = self.resumed and self.view.state in (JobState.LAUNCHING, JobState.RUNNING,
-                                                         JobState.STOPPING)
-            while True:
-                try:
-                    if adopt:
-                        adopt = False
-                        await self._adopt_generation()
-                    else:
-                        await self._run_generation()
-                    return
-                except GenerationFailed as failed:
-                    # A pending rollback is carried out whatever stopped the generation: a
-                    # rank that crashed on a NaN still diverged first.
-                    failed_gen = failed.failure.get("generation")
-                    refusal = self.stability.refusal(self.view, failed_gen)
-                    decision = self.policy.decide(self.view)
-                    if refusal or not decision.restart:
-                        self.transition(JobState.FAILED, cause=failed.cause,
-                                        reason=refusal or decision.reason)
-                        return
-                    self.transition(JobState.RECOVERING, cause=failed.cause,
-                                    delay_s=decision.delay_s)
-                    self._roll_back_if_pending(failed)
-                    await self._sleep_or_stop(decision.delay_s)
-        except OperatorStop:
-            self.transition(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
-        except JobFailed as exc:
-            self.transition(JobState.FAILED, cause=exc.cause, reason=str(exc))
+        """Drive the job through its states: one handler per state returns the next state
+        (with the value the next handler needs); this loop makes the move through
+        ``transition`` and checks for an operator's stop once per iteration."""
+        handlers = {
+            JobState.PENDING: self._on_pending,
+            JobState.HEALTH_CHECK: self._on_health_check,
+            JobState.LAUNCHING: self._on_launching,
+            JobState.RUNNING: self._on_running,
+            JobState.STOPPING: self._on_stopping,
+            JobState.RECOVERING: self._on_recovering,
+        }
+        await self.launcher_start()
+        # A restarted supervisor finds its job mid-generation: re-attach before observing.
+        carry: Any = _ADOPT if self.resumed and self.view.state in (
+            JobState.LAUNCHING, JobState.RUNNING, JobState.STOPPING) else None
+        while not self.view.state.terminal:
+            state = self.view.state
+            try:
+                nxt = self._operator_stop(state) or await handlers[state](carry)
+            except OperatorStop:
+                nxt = self._operator_stop(state, always=True)
+            except JobFailed as exc:
+                nxt = Next(JobState.FAILED, cause=exc.cause, reason=str(exc))
+            if nxt is None:
+                raise RuntimeError(f"no way out of {state.value}")  # a bug: never swallowed
+            self.transition(nxt.state, cause=nxt.cause, reason=nxt.reason, delay_s=nxt.delay_s)
+            carry = nxt.carry
 
-    def _roll_back_if_pending(self, failed: GenerationFailed) -> None:
-        try:
-            self.stability.roll_back(self.view, failed.failure)
-        except OSError as exc:  # resuming the abandoned lineage later would be worse
-            raise JobFailed(f"rollback could not discard the abandoned checkpoints: {exc}") \
-                from exc
+    def _operator_stop(self, state: JobState, always: bool = False) -> Next | None:
+        """The move an operator's stop makes from ``state`` (None when none was asked for).
+        A running generation is stopped first (STOPPING); otherwise the job is STOPPED."""
+        if not (always or self.stop_requested.is_set()):
+            return None
+        if state in (JobState.LAUNCHING, JobState.RUNNING):
+            return Next(JobState.STOPPING, cause=Cause.OPERATOR,
+                        carry=Outcome(Cause.OPERATOR, {"reason": self.stop_reason}))
+        if state is JobState.STOPPING:
+            return None  # the stop under way finishes first, then STOPPED
+        return Next(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
 
-    async def _provision(self) -> None:
-        """PENDING: get one agent per node started (or adopt those already running)."""
-        spawned = {e["node_id"]: e["pid"] for e in read_events(self.rundir.journal)
-                   if e["kind"] == "agent_spawned"}
+    async def launcher_start(self) -> None:
+        """Get one agent per node started (or adopt those a dead supervisor started)."""
+        spawned = {env.event.node_id: env.event.pid for env in read_journal(self.rundir.journal)
+                   if isinstance(env.event, ev.AgentSpawned)}
         if spawned:
             await self.launcher.adopt(self.agent_spec(), spawned)
         else:
             await self.launcher.start(self.agent_spec())
 
-    async def _sleep_or_stop(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self.stop_requested.wait(), seconds)
-        except TimeoutError:
-            return
-        raise OperatorStop()
+    async def _on_pending(self, carry: Any) -> Next:
+        return Next(JobState.HEALTH_CHECK)
 
-    # -- one generation ----------------------------------------------------------------------
-    async def _run_generation(self) -> None:
-        if self.view.state is not JobState.HEALTH_CHECK:
-            self.transition(JobState.HEALTH_CHECK)
+    async def _on_health_check(self, carry: Any) -> Next:
         if self.health_only is not None:
-            await self._check_health_only(self.health_only)
-            return
-        placement = await self._select_nodes()
-        self.transition(JobState.LAUNCHING)
+            reason = await self.selection.check_only(self.health_only)
+            return Next(JobState.STOPPED, cause=Cause.OPERATOR, reason=reason)
+        return Next(JobState.LAUNCHING, carry=await self.selection.select())
+
+    async def _on_launching(self, carry: Any) -> Next:
+        if carry is _ADOPT:
+            return await self._observed(self.view.generation, adopting=True)
         generation = self.view.generation + 1
-        await self._launch(generation, placement)
-        await self._finish(generation, await self._watch(generation))
+        await self.parts.launch(generation, carry)
+        return await self._observed(generation)
 
-    async def _adopt_generation(self) -> None:
-        """After a supervisor restart mid-run: re-attach to the running generation.
+    async def _on_running(self, carry: Any) -> Next:
+        return await self._observed(self.view.generation, adopting=carry is _ADOPT)
 
-        Agents kept their ranks training and re-register on their own; once every node of
-        the generation is back, it gets its assignment re-issued unchanged (a no-op for the
-        agent) and observation carries on. A node that does not come back is node_lost.
-        """
-        generation = self.view.generation
-        launch = self.view.launches[-1]
-        self.intake.begin_generation(generation, launch["world_size"], adopting=True)
-        assignments: dict[str, dict[str, Any]] = launch["assignments"]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.timeouts.node_lost_s
-        while loop.time() < deadline and not set(assignments) <= set(self.intake.nodes.nodes):
-            if self.stop_requested.is_set():
-                break
-            await asyncio.sleep(_TICK_S)
-        missing = sorted(set(assignments) - set(self.intake.nodes.nodes))
-        for node_id, assignment in assignments.items():
-            if node_id not in missing:
-                node = self.intake.nodes.nodes[node_id]
-                if node.generation == generation:  # registered before we were listening
-                    self.intake.started[node_id] = sorted(node.ranks)
-                await self.intake.nodes.assign(node_id, **assignment)
-        if self.view.state is JobState.STOPPING:
-            outcome: Outcome | None = Outcome(Cause.NODE_LOST, {
-                "message": "the supervisor died while stopping this generation"})
-        elif missing:
-            outcome = Outcome(Cause.NODE_LOST, {
-                "node_id": missing[0],
-                "message": f"node(s) {', '.join(missing)} did not come back after the "
-                           "supervisor restart"})
-        else:
-            outcome = await self._watch(generation, adopting=True)
-        await self._finish(generation, outcome)
-
-    async def _finish(self, generation: int, outcome: Outcome | None) -> None:
+    async def _observed(self, generation: int, adopting: bool = False) -> Next:
+        """Observe a generation (after re-attaching to it, when adopting) to its end."""
+        outcome = await self.parts.adopt(generation) if adopting else None
         if outcome is None:
-            self.intake.progress.journal_progress()
-            self.transition(JobState.COMPLETED, cause=Cause.COMPLETED)
-            return
-        if self.view.state is not JobState.STOPPING:
-            self.transition(JobState.STOPPING, cause=outcome.cause)
+            outcome = await self.parts.observe(generation, adopting=adopting)
+        if outcome is not None:
+            return Next(JobState.STOPPING, cause=outcome.cause, carry=outcome)
+        self.intake.progress.journal_progress()
+        if self.view.state is JobState.LAUNCHING:  # finished before its starts were seen
+            self.transition(JobState.RUNNING)
+        return Next(JobState.COMPLETED, cause=Cause.COMPLETED)
+
+    async def _on_stopping(self, carry: Any) -> Next:
+        generation = self.view.generation
+        outcome: Outcome = carry if isinstance(carry, Outcome) else Outcome(
+            Cause.NODE_LOST, {"message": "the supervisor died while stopping this generation"})
+        if carry is _ADOPT:
+            outcome = await self.parts.adopt(generation) or outcome
         if outcome.cause is Cause.HANG:
-            outcome.detail["stacks"] = await self._dump_stacks(generation)
-        await self._stop_generation(generation)
+            outcome.detail["stacks"] = await self.parts.dump_stacks(generation)
+        await self.parts.stop(generation)
         if outcome.cause is Cause.OPERATOR:
-            raise OperatorStop()
+            return Next(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
         outcome = self._explain_by_lost_node(outcome)
         failure = self.intake.root_cause(generation, outcome.cause, outcome.detail)
-        self.record("failure", **failure)
+        self.record(ev.Failure(**failure), durable=True)
         self.log.error("generation failed", **{k: v for k, v in failure.items()
                                                if k != "log_tail"})
         self._blame_node(failure)
-        raise GenerationFailed(outcome.cause, failure)
+        # A pending rollback is carried out whatever stopped the generation: a rank that
+        # crashed on a NaN still diverged first.
+        refusal = self.stability.refusal(self.view, failure.get("generation"))
+        decision = self.policy.decide(self.view)
+        if refusal or not decision.restart:
+            return Next(JobState.FAILED, cause=outcome.cause,
+                        reason=refusal or decision.reason)
+        return Next(JobState.RECOVERING, cause=outcome.cause, delay_s=decision.delay_s,
+                    carry=failure)
+
+    async def _on_recovering(self, carry: Any) -> Next:
+        failure = carry if isinstance(carry, dict) else (
+            self.view.failures[-1] if self.view.failures else {})
+        try:
+            self.stability.roll_back(self.view, failure)
+        except OSError as exc:  # resuming the abandoned lineage later would be worse
+            raise JobFailed(f"rollback could not discard the abandoned checkpoints: {exc}") \
+                from exc
+        # The backoff the RECOVERING transition journaled (a restarted supervisor too).
+        await self._sleep_or_stop(self.view.recovery_delay_s or 0.0)
+        return Next(JobState.HEALTH_CHECK)
+
+    async def _sleep_or_stop(self, seconds: float) -> None:
+        try:
+            await self.clock.wait_for(self.stop_requested.wait(), seconds)
+        except TimeoutError:
+            return
+        raise OperatorStop()
 
     def _explain_by_lost_node(self, outcome: Outcome) -> Outcome:
         """A node of the generation that went silent explains its peers' failing exits.
@@ -299,7 +323,7 @@ class Supervisor:
         if outcome.cause is not Cause.WORKER_EXIT:
             return outcome
         members = set(self.view.launches[-1]["nodes"]) if self.view.launches else set()
-        lost = [n for n in self.intake.nodes.with_state(NodeState.LOST) if n.node_id in members]
+        lost = [n for n in self.nodes.with_state(NodeState.LOST) if n.node_id in members]
         if not lost:
             return outcome
         node = lost[0]
@@ -312,7 +336,7 @@ class Supervisor:
     def _blame_node(self, failure: dict[str, Any]) -> None:
         """Exclude a node blamed for too many failures, when a spare can take its rank."""
         node_id = failure.get("node_id")
-        node = self.intake.nodes.nodes.get(node_id or "")
+        node = self.nodes.nodes.get(node_id or "")
         if node is None or node.state is not NodeState.ACTIVE:
             return
         r = self.cfg.restart
@@ -321,223 +345,15 @@ class Supervisor:
                   and now - (f.get("ts") or now) <= r.node_failure_window_s]
         if len(recent) < r.node_failure_limit:
             return
-        spares = [n for n in self.intake.nodes.with_state(NodeState.SPARE)]
+        spares = self.nodes.with_state(NodeState.SPARE)
         if not spares:
             self.log.warning("node keeps failing but no spare can replace it", node=node_id,
                              failures=len(recent))
             return
-        self.intake.set_node_state(
-            node, NodeState.EXCLUDED, node_rank=None,
-            reason=f"{len(recent)} failures in {r.node_failure_window_s:.0f} s")
-        node.node_rank = None
+        self.nodes.move(node, NodeState.EXCLUDED, node_rank=None,
+                        reason=f"{len(recent)} failures in {r.node_failure_window_s:.0f} s")
         self.log.warning("node excluded", node=node_id, failures=len(recent),
                          replacement=spares[0].node_id)
-
-    async def _select_nodes(self) -> Placement:
-        """HEALTH_CHECK: wait for enough live nodes, check them (excluding the bad ones),
-        place node ranks and spares."""
-        needed, ppn = self.cfg.cluster.nodes, self.cfg.cluster.procs_per_node
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.timeouts.register_s
-        replaced: set[str] = set()
-        level, checked = self.health.level_now(), set[str]()
-        while True:
-            self.intake.mark_silent_nodes_lost()
-            placement = place(list(self.intake.nodes.nodes.values()), needed, ppn)
-            # Check once enough nodes are here; newcomers (spares, replacements) on arrival.
-            if level is not None and (placement.complete or self.health.excluded) and \
-                    await self.health.check_new(level, checked):
-                continue
-            if placement.complete:
-                break
-            for node in self.intake.nodes.with_state(NodeState.LOST):
-                if node.node_id not in replaced and len(replaced) < placement.missing:
-                    replaced.add(node.node_id)
-                    if await self.launcher.replace(self.agent_spec(), node.node_id):
-                        self.log.info("restarting lost node's agent", node=node.node_id)
-            # Before giving up on health grounds, let nodes still starting or being replaced
-            # arrive (until the registration deadline): they may be the spares needed.
-            more_coming = loop.time() <= deadline and (
-                len(self.intake.nodes.nodes) < self.launcher.wanted_nodes
-                or bool(self.intake.nodes.with_state(NodeState.LOST)))
-            if level is not None and self.health.excluded and not more_coming:
-                if self.cfg.health.on_insufficient == "fail":
-                    raise JobFailed(self.health.insufficient(needed), Cause.HEALTH_CHECK)
-                await self.health.recheck_excluded(level, checked)
-            elif loop.time() > deadline:
-                have = needed - placement.missing
-                raise JobFailed(f"only {have} of {needed} nodes are available after "
-                                f"{self.cfg.timeouts.register_s:.0f} s")
-            if self.stop_requested.is_set():
-                raise OperatorStop()
-            await asyncio.sleep(_TICK_S)
-        await self.intake.apply_placement(placement)
-        return placement
-
-    async def _check_health_only(self, level: Level) -> None:
-        """``orchestrator health``: one round over every node that registers, then stop."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.timeouts.register_s
-        nodes = self.intake.nodes.nodes
-        while len(nodes) < self.launcher.wanted_nodes and loop.time() < deadline:
-            if self.stop_requested.is_set():
-                raise OperatorStop()
-            await asyncio.sleep(_TICK_S)
-        usable = sorted((n for n in nodes.values() if n.usable),
-                        key=lambda n: _id_key(n.node_id))
-        results = await self.health.run_round(usable, level) if usable else {}
-        fatal = sorted({n for n, rs in results.items() if any(r.fatal_failure for r in rs)})
-        self.transition(JobState.STOPPED, cause=Cause.OPERATOR, reason=(
-            f"health check only: {len(usable)} of {self.launcher.wanted_nodes} node(s) "
-            f"checked, {len(fatal)} with a fatal failure"
-            + (f" ({', '.join(fatal)})" if fatal else "")))
-
-    async def _launch(self, generation: int, placement: Placement) -> None:
-        nodes = self.intake.nodes
-        rank0 = next(n for n, r in placement.active.items() if r == 0)
-        master = nodes.nodes[rank0]
-        ppn = self.cfg.cluster.procs_per_node
-        env = self._generation_env(generation)
-        self.intake.resume_max_step = None  # a rollback's limit holds for one launch only
-        assignments = {}
-        for node_id, node_rank in placement.active.items():
-            assignments[node_id] = {
-                "action": "run", "generation": generation, "node_rank": node_rank,
-                "nproc": ppn, "world_size": self.cfg.cluster.world_size,
-                "rank_offset": node_rank * ppn, "master_addr": master.addr,
-                "master_port": master.free_port, "entrypoint": self._entrypoint(),
-                "env": env, "signals": [], "preload": self._preload()}
-        after = self.view.failures[-1]["cause"] if self.view.failures else None
-        self.intake.begin_generation(generation, self.cfg.cluster.world_size)
-        self.record("generation_launched", generation=generation,
-                    world_size=self.cfg.cluster.world_size, master_addr=master.addr,
-                    master_port=master.free_port, nodes=placement.active,
-                    spares=placement.spares, after_cause=after,
-                    resume_step=self.view.newest_checkpoint_step,
-                    assignments=assignments)
-        for node_id, assignment in assignments.items():
-            await nodes.assign(node_id, **assignment)
-        for node_id in placement.spares:
-            await nodes.assign(node_id, action="idle", generation=None)
-        for node in nodes.with_state(NodeState.EXCLUDED):
-            await nodes.assign(node.node_id, action="idle", generation=None)
-
-    def _preload(self) -> list[str]:
-        """What a spare interpreter imports ahead of a restart (the built-in trainer's
-        modules; a user's own script gets fresh processes)."""
-        if self.cfg.job.entrypoint or not self.cfg.job.warm_start:
-            return []
-        return ["trainer.main", "trainer.build", "trainer.loop"]
-
-    def _entrypoint(self) -> list[str]:
-        if self.cfg.job.entrypoint:
-            return list(self.cfg.job.entrypoint)
-        from orchestrator.launchers.base import default_python
-
-        return [default_python(self.cfg), "-m", "trainer"]
-
-    def _generation_env(self, generation: int) -> dict[str, str]:
-        """What a generation's ranks need beyond torch.distributed's variables."""
-        chaos = self.cfg.chaos
-        # The S3 endpoint (MinIO, ...) as botocore reads it, so every S3 client of a rank
-        # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
-        endpoint = self.cfg.checkpoint.endpoint_url
-        return {
-            **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
-            **self.cfg.job.env,
-            "ORCH_JOB": self.cfg.job.name,
-            "ORCH_GENERATION": str(generation),
-            "ORCH_CHECKPOINT_ROOT": self.checkpoint_root,
-            "ORCH_SKIP_WINDOWS": json.dumps(self.view.skip_windows),
-            "ORCH_LR_SCALE": repr(self.view.lr_scale),
-            # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
-            "ORCH_RESUME_MAX_STEP": "" if self.intake.resume_max_step is None
-                                    else str(self.intake.resume_max_step),
-            "ORCH_COLLECTIVE_TIMEOUT_S": str(round(collective_timeout_s(
-                self.cfg.timeouts, self.intake.training_timeout), 1)),
-            "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
-                                      "fail_at_start_rank": chaos.fail_at_start_rank,
-                                      "slow_checkpoint_s": chaos.slow_checkpoint_s,
-                                      "slow_first_step_s": chaos.slow_first_step_s,
-                                      "kills": self.intake.chaos.pending()}),
-        }
-
-    async def _watch(self, generation: int, adopting: bool = False) -> Outcome | None:
-        """LAUNCHING/RUNNING: observe until the generation completes (None) or fails."""
-        intake = self.intake
-        loop = asyncio.get_running_loop()
-        launch_deadline = loop.time() + self.cfg.timeouts.launch_s
-        while True:
-            if self.stop_requested.is_set():
-                return Outcome(Cause.OPERATOR, {"reason": self.stop_reason})
-            try:
-                obs: Observation | None = await asyncio.wait_for(intake.queue.get(), _TICK_S)
-            except TimeoutError:
-                obs = None
-            outcome = intake.judge(generation, obs)
-            if outcome is not None:
-                return outcome if outcome.cause is not Cause.COMPLETED else None
-            if self.view.state is JobState.LAUNCHING:
-                if intake.all_started(generation):
-                    self.transition(JobState.RUNNING)
-                elif loop.time() > launch_deadline:
-                    return Outcome(Cause.WORKER_EXIT if not adopting else Cause.NODE_LOST,
-                                   {"message": "ranks did not start within "
-                                               f"{self.cfg.timeouts.launch_s:.0f} s"})
-            await intake.tick(generation)
-
-    async def _dump_stacks(self, generation: int) -> list[str]:
-        """Every rank writes its Python stacks (faulthandler on SIGUSR1) before the kill.
-
-        SIGCONT follows so a stopped process wakes to take the pending SIGUSR1; it is about
-        to be stopped for good anyway.
-        """
-        nodes = self.intake.nodes
-        ppn = self.cfg.cluster.procs_per_node
-        for node in nodes.active():
-            if node.node_rank is None or node.state is not NodeState.ACTIVE:
-                continue
-            for local in range(ppn):
-                rank = node.node_rank * ppn + local
-                await nodes.send_signal(node.node_id, rank, "SIGUSR1")
-                await nodes.send_signal(node.node_id, rank, "SIGCONT")
-        stacks = self.rundir.stacks
-        wanted = [stacks / f"gen{generation:04d}-rank{r:05d}.txt"
-                  for r in range(self.cfg.cluster.world_size)]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.timeouts.stack_dump_wait_s
-        while loop.time() < deadline:
-            if all(p.exists() and p.stat().st_size > 0 for p in wanted):
-                break
-            await asyncio.sleep(0.1)
-        found = [str(p) for p in wanted if p.exists() and p.stat().st_size > 0]
-        self.log.warning("hang: stacks dumped", files=len(found), of=len(wanted),
-                         dir=str(stacks))
-        return found
-
-    async def _stop_generation(self, generation: int) -> None:
-        """STOPPING: stop every rank of the generation, wait for agents to confirm."""
-        nodes = self.intake.nodes
-        waiting = [n for n in nodes.active() if n.state is NodeState.ACTIVE]
-        for node in waiting:
-            await nodes.assign(node.node_id, action="stop", generation=generation)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.timeouts.stop_grace_s + 5.0
-        while loop.time() < deadline:
-            self.intake.mark_silent_nodes_lost()
-            pending = [n for n in waiting if n.state is NodeState.ACTIVE
-                       and n.stopped_generation != generation]
-            if not pending:
-                return
-            try:
-                obs = await asyncio.wait_for(self.intake.queue.get(), _TICK_S)
-                self.intake.judge(generation, obs)
-            except TimeoutError:
-                pass
-        for node in waiting:
-            if node.stopped_generation != generation and node.state is NodeState.ACTIVE:
-                self.intake.set_node_state(node, NodeState.LOST,
-                                           reason="did not confirm the stop in time")
 
     async def _shutdown(self) -> None:
         """Tell agents to exit once the job is over; leave them running otherwise."""
@@ -545,7 +361,7 @@ class Supervisor:
             return
         for node_id in list(self.intake.nodes.nodes):
             await self.intake.nodes.assign(node_id, action="exit")
-        await asyncio.sleep(0.3)  # one long-poll round trip for the agents to see it
+        await self.clock.sleep(0.3)  # one long-poll round trip for the agents to see it
         await self.launcher.close(timeout=self.cfg.timeouts.stop_grace_s + 5.0)
 
 

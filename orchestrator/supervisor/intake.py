@@ -9,9 +9,13 @@ turns them into a generation's outcome (completed, or failed with a cause).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import ValidationError
+
+from orchestrator import events as ev
 from orchestrator.protocol import (
     Assignment,
     EventBatch,
@@ -26,13 +30,13 @@ from orchestrator.protocol import (
 )
 from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.chaos import ChaosDriver
+from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
+from orchestrator.supervisor.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
-
-if TYPE_CHECKING:
-    from orchestrator.supervisor.core import Outcome, Supervisor
+from orchestrator.supervisor.stability import StabilityHook
 
 
 @dataclass(frozen=True)
@@ -47,22 +51,30 @@ class UnknownNode(LookupError):
 
 
 class Intake:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.cfg = sup.cfg
-        self.nodes = NodeRegistry(sup.clock)
+    """Takes what agents say (through the API server) and judges the generation by it.
+
+    ``health_report`` receives health-round reports (the health coordinator waits on them).
+    """
+
+    def __init__(self, ctx: JobContext, nodes: NodeRegistry, stability: StabilityHook,
+                 health_report: Callable[[str, HealthReport, float], None]) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.nodes = nodes
+        self.stability = stability
+        self._health_report = health_report
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
-        self.progress = ProgressTracker(sup.rundir.steps, sup.clock, sup.record)
-        self.chaos = ChaosDriver(sup.cfg.chaos, sup.cfg.cluster.world_size,
-                                 sup.view.chaos_fired)
+        self.progress = ProgressTracker(ctx.rundir.steps, ctx.clock, ctx.record)
+        self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
+                                 ctx.view.chaos_fired)
         self.generation: int | None = None
         self.world_size = 0
         self.started: dict[str, list[int]] = {}
         self.exits: dict[int, dict[str, Any]] = {}
-        self.resume_max_step: int | None = None
+        self.rejected = 0  # messages a node sent that were not its to send, or did not parse
         self.running_since: float | None = None
         self.training_timeout = TrainingTimeout(
-            sup.cfg.timeouts, sup.view.calibration.get("max_interval_s"))
+            ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"))
 
     # -- messages from agents (called by the API server) ------------------------------------
     def on_register(self, req: RegisterRequest) -> RegisterResponse:
@@ -71,19 +83,22 @@ class Intake:
             node.assignment = node.assignment.model_copy(
                 update={"version": req.assignment_version})
         if not known:
-            previous = self.sup.view.nodes.get(req.node_id)
+            # A supervisor rebuilt from its journal: a node that was ACTIVE there comes back
+            # ACTIVE with its node rank (journaled, as every node move is).
+            previous = self.ctx.view.nodes.get(req.node_id)
             if previous is not None and previous.state == NodeState.ACTIVE.value:
-                node.state, node.node_rank = NodeState.ACTIVE, previous.node_rank
+                self.nodes.move(node, NodeState.ACTIVE, reason="active before the "
+                                "supervisor restart", node_rank=previous.node_rank)
         if req.generation is not None and req.generation == self.generation:
             # Re-registration mid-generation (supervisor restart, network blip): the ranks
             # it reports alive count as started; exits it holds arrive as queued events.
             self.started[req.node_id] = [r.rank for r in req.ranks]
-        self.sup.record("node_registered", node_id=req.node_id, host=req.host, addr=req.addr,
-                        procs=req.procs, agent_pid=req.agent_pid, reregistered=known,
-                        running_generation=req.generation)
-        self.sup.log.info("node registered", node=req.node_id, host=req.host,
+        self.ctx.record(ev.NodeRegistered(
+            node_id=req.node_id, host=req.host[:256], addr=req.addr[:256], procs=req.procs,
+            agent_pid=req.agent_pid, reregistered=known, running_generation=req.generation))
+        self.ctx.log.info("node registered", node=req.node_id, host=req.host,
                           procs=req.procs, running_generation=req.generation)
-        self._sync_node_metrics()
+        self.nodes.sync_counts()
         return RegisterResponse(node_id=req.node_id, job=self.cfg.job.name,
                                 config=self.cfg.model_dump(mode="json"),
                                 heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s)
@@ -95,10 +110,11 @@ class Intake:
         self.progress.on_ranks(hb.generation, hb.ranks)
         if hb.records:
             accepted = self.progress.on_records(hb.generation, hb.records)
-            for rec in hb.records:
-                self.sup.metrics.on_record(rec)
-            if accepted and hb.generation is not None:
-                self.sup.stability.on_records(hb.generation, hb.records)
+            if accepted:  # rank 0's records of the running generation only
+                for rec in hb.records:
+                    self.ctx.metrics.on_record(rec)
+                if hb.generation is not None:
+                    self.stability.on_records(hb.generation, hb.records)
         return {"assignment_version": node.assignment.version}
 
     def on_events(self, batch: EventBatch) -> None:
@@ -106,7 +122,7 @@ class Intake:
             raise UnknownNode(batch.node_id)
         for event in batch.events:
             if isinstance(event, HealthReport):  # the health round waits on these itself
-                self.sup.health.on_report(batch.node_id, event, self.sup.clock.time())
+                self._health_report(batch.node_id, event, self.ctx.clock.time())
                 continue
             kind = {RankExit: "exit", RanksStarted: "started", RanksStopped: "stopped",
                     WorkerEvent: "worker"}[type(event)]
@@ -123,56 +139,36 @@ class Intake:
         self.generation, self.world_size = generation, world_size
         self.started, self.exits = {}, {}
         self.running_since = None
-        known = adopting and generation in self.sup.view.first_steps
+        known = adopting and generation in self.ctx.view.first_steps
         self.progress.start_generation(generation, world_size, first_step_known=known)
 
     async def apply_placement(self, placement: Placement) -> None:
         for node_id, rank in placement.active.items():
             node = self.nodes.nodes[node_id]
             if node.state is not NodeState.ACTIVE or node.node_rank != rank:
-                node.node_rank = rank
-                self.set_node_state(node, NodeState.ACTIVE, node_rank=rank)
+                self.nodes.move(node, NodeState.ACTIVE, node_rank=rank)
         for node_id in placement.spares:
             node = self.nodes.nodes[node_id]
             if node.state is not NodeState.SPARE:
-                node.node_rank = None
-                self.set_node_state(node, NodeState.SPARE, node_rank=None)
-
-    def set_node_state(self, node: NodeRecord, state: NodeState, reason: str | None = None,
-                       **fields: Any) -> None:
-        node.state = state
-        self.sup.record("node_state", node_id=node.node_id, state=state.value, reason=reason,
-                        **fields)
-        self._sync_node_metrics()
-
-    def _sync_node_metrics(self) -> None:
-        self.sup.metrics.set_nodes(self.nodes.counts())
+                self.nodes.move(node, NodeState.SPARE, node_rank=None)
 
     def all_started(self, generation: int) -> bool:
         return generation == self.generation and \
             sum(len(r) for r in self.started.values()) >= self.world_size
 
     def mark_silent_nodes_lost(self) -> list[NodeRecord]:
-        limit = self.cfg.timeouts.node_lost_s
-        lost = []
-        for node in self.nodes.nodes.values():
-            if node.state in (NodeState.ACTIVE, NodeState.SPARE, NodeState.REGISTERED) \
-                    and self.nodes.silent_for(node) > limit:
-                self.set_node_state(node, NodeState.LOST,
-                                    reason=f"silent for {self.nodes.silent_for(node):.1f} s")
-                self.sup.log.warning("node lost", node=node.node_id,
-                                     silent_s=round(self.nodes.silent_for(node), 1))
-                lost.append(node)
+        lost = self.nodes.mark_silent_lost(self.cfg.timeouts.node_lost_s)
+        for node in lost:
+            self.ctx.log.warning("node lost", node=node.node_id,
+                                 silent_s=round(self.nodes.silent_for(node), 1))
         return lost
 
     def judge(self, generation: int, obs: Observation | None) -> Outcome | None:
         """Fold one observation (or a quiet tick) into the generation's outcome, if any."""
-        from orchestrator.supervisor.core import Outcome
-
         outcome = self._observe(generation, obs) if obs is not None else None
         # A pending rollback outranks whatever else this observation says (a rank that died
         # of a NaN, or even completion): the lineage diverged and must be rolled back.
-        divergence = self.sup.stability.divergence(generation)
+        divergence = self.stability.divergence(generation)
         if divergence is not None:
             return Outcome(Cause.DIVERGENCE, divergence)
         if outcome is not None:
@@ -186,14 +182,12 @@ class Intake:
         return self._hang(generation)
 
     def _hang(self, generation: int) -> Outcome | None:
-        from orchestrator.supervisor.core import Outcome
-
         gen = self.progress.current
         if gen is None or gen.generation != generation or \
-                self.sup.view.state not in (JobState.LAUNCHING, JobState.RUNNING):
+                self.ctx.view.state not in (JobState.LAUNCHING, JobState.RUNNING):
             return None
         suspects = find_hangs(gen, self.cfg.timeouts, self.training_timeout,
-                              self.sup.clock.monotonic())
+                              self.ctx.clock.monotonic())
         if not suspects:
             return None
         first = suspects[0]
@@ -207,78 +201,102 @@ class Intake:
                          for s in suspects]})
 
     def _generation_nodes(self) -> set[str]:
-        launch = self.sup.view.launches[-1] if self.sup.view.launches else {}
+        launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}
         return set(launch.get("nodes", {}))
 
     def _observe(self, generation: int, obs: Observation) -> Outcome | None:
-        from orchestrator.supervisor.core import Outcome
-
-        ev = obs.payload
+        msg = obs.payload
         if obs.kind == "stopped":
             node = self.nodes.nodes[obs.node_id]
-            node.stopped_generation = ev.generation
-            if ev.free_port:
-                node.free_port = ev.free_port
-            self.sup.record("ranks_stopped", node_id=obs.node_id, generation=ev.generation)
+            node.stopped_generation = msg.generation
+            if msg.free_port:
+                node.free_port = msg.free_port
+            self.ctx.record(ev.RanksStopped(node_id=obs.node_id, generation=msg.generation))
             return None
         if obs.kind == "worker":
-            self._worker_event(obs.node_id, ev)
+            self._worker_event(obs.node_id, msg)
             return None
-        if ev.generation != generation:
+        if msg.generation != generation:
             return None  # a straggler from a generation already handled
         if obs.kind == "started":
-            self.started[obs.node_id] = [r.rank for r in ev.ranks]
-            self.sup.record("ranks_started", node_id=obs.node_id, generation=generation,
-                            ranks=[{"rank": r.rank, "pid": r.pid} for r in ev.ranks])
+            self.started[obs.node_id] = [r.rank for r in msg.ranks]
+            self.ctx.record(ev.RanksStarted(
+                node_id=obs.node_id, generation=generation,
+                ranks=[ev.RankPid(rank=r.rank, pid=r.pid) for r in msg.ranks]))
             return None
         # a rank exit
-        if ev.rank in self.exits:
+        if msg.rank in self.exits or not 0 <= msg.rank < self.world_size:
             return None
-        exit_info = {"rank": ev.rank, "node_id": obs.node_id, "pid": ev.pid,
-                     "exit_code": ev.exit_code, "signal": ev.signal, "ts": ev.ts,
-                     "log_tail": ev.log_tail}
-        self.exits[ev.rank] = exit_info
-        self.sup.record("rank_exited", generation=generation,
-                        **{k: v for k, v in exit_info.items() if k != "ts"}, exit_ts=ev.ts)
-        if ev.exit_code != 0 or ev.signal:
+        exit_info = {"rank": msg.rank, "node_id": obs.node_id, "pid": msg.pid,
+                     "exit_code": msg.exit_code, "signal": msg.signal, "ts": msg.ts,
+                     "log_tail": [line[:2048] for line in msg.log_tail[-200:]]}
+        error = getattr(msg, "error", None)
+        if error:
+            exit_info["error"] = error
+        self.exits[msg.rank] = exit_info
+        self.ctx.record(ev.RankExited(generation=generation, exit_ts=msg.ts,
+                                      **{k: v for k, v in exit_info.items() if k != "ts"}))
+        if msg.exit_code != 0 or msg.signal:
             return Outcome(Cause.WORKER_EXIT, exit_info)
         if len(self.exits) >= self.world_size and all(
                 e["exit_code"] == 0 and not e["signal"] for e in self.exits.values()):
             return Outcome(Cause.COMPLETED, {})
         return None
 
-    def _worker_event(self, node_id: str, ev: WorkerEvent) -> None:
-        data = dict(ev.data)
-        if ev.name == "checkpoint_committed":
-            self.sup.record("checkpoint_committed", generation=ev.generation, rank=ev.rank,
-                            **data)
-        elif ev.name == "chaos":
-            self.chaos.mark_fired(str(data.get("id")))
-            self.sup.record("chaos", generation=ev.generation, node_id=node_id, **data)
-            self.sup.log.warning("chaos: rank signalled itself", rank=ev.rank,
-                                 signal=data.get("signal"), step=data.get("step"))
-        elif ev.name == "checkpoint_pruned":
-            self.sup.record("checkpoint_pruned", generation=ev.generation, **data)
-        else:
-            self.sup.record(ev.name if ev.name in _PLAIN_WORKER_EVENTS else "worker_event",
-                            generation=ev.generation, rank=ev.rank, node_id=node_id,
-                            **({} if ev.name in _PLAIN_WORKER_EVENTS else {"name": ev.name}),
-                            **data)
+    def _worker_event(self, node_id: str, msg: WorkerEvent) -> None:
+        """Journal a rank's event as its type. The rank, generation and node come from the
+        message's envelope, never from its data; data that do not fit the event's model are
+        rejected (journaled as ``message_rejected``), never half-applied."""
+        data = {k: v for k, v in dict(msg.data).items() if k not in ev.RESERVED_KEYS}
+        where = {"generation": msg.generation, "rank": msg.rank}
+        try:
+            if msg.name == "checkpoint_committed":
+                self.ctx.record(ev.CheckpointCommitted(**data, **where))
+            elif msg.name == "checkpoint_pruned":
+                self.ctx.record(ev.CheckpointPruned(**data, **where))
+            elif msg.name == "chaos":
+                event = ev.Chaos(**{"id": str(data.pop("id", ""))[:256], **data},
+                                 generation=msg.generation, node_id=node_id)
+                self.chaos.mark_fired(event.id)
+                self.ctx.record(event)
+                self.ctx.log.warning("chaos: rank signalled itself", rank=msg.rank,
+                                     signal=event.signal, step=event.step)
+            elif msg.name in _PLAIN_WORKER_EVENTS:
+                self.ctx.record(ev.WorkerNote(kind=msg.name, node_id=node_id, **data, **where))
+            else:
+                self.ctx.record(ev.WorkerNote(kind="worker_event", name=msg.name,
+                                              node_id=node_id, **data, **where))
+        except (ValidationError, ValueError, TypeError) as exc:
+            self.reject(node_id, "events", f"worker event {msg.name!r} of rank {msg.rank}: "
+                        f"{_first_problem(exc)}")
+
+    def reject(self, node_id: str | None, route: str, reason: str) -> None:
+        """A message that was not the node's to send, or did not fit its type: journaled
+        (bounded: the first 100, then every 1,000th) and logged; nothing else changes."""
+        self.rejected += 1
+        if self.rejected <= 100 or self.rejected % 1000 == 0:
+            self.ctx.record(ev.MessageRejected(node_id=(node_id or "")[:256] or None,
+                                               route=route[:256], reason=reason[:4096],
+                                               count=self.rejected))
+            self.ctx.log.warning("message rejected", node=node_id, route=route,
+                                 reason=reason[:500], rejected_so_far=self.rejected)
 
     async def tick(self, generation: int) -> None:
         """Periodic work while a generation runs: calibration, interval chaos kills."""
         if self.training_timeout.needs_journal():
-            self.sup.record("calibration", max_interval_s=self.training_timeout.max_interval,
-                            training_timeout_s=round(self.training_timeout.value(), 3))
-        if self.sup.view.state is JobState.RUNNING and self.running_since is None:
-            self.running_since = self.sup.clock.monotonic()
-        for inj in self.chaos.due_interval(self.running_since, self.sup.clock.monotonic()):
+            self.ctx.record(ev.Calibration(
+                max_interval_s=self.training_timeout.max_interval,
+                training_timeout_s=round(self.training_timeout.value(), 3)))
+        if self.ctx.view.state is JobState.RUNNING and self.running_since is None:
+            self.running_since = self.ctx.clock.monotonic()
+        for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
             node = self._node_of_rank(inj.rank)
             if node is None:
                 continue
-            self.sup.record("chaos", id=inj.id, rank=inj.rank, signal=inj.signal,
-                            step=inj.step, node_id=node.node_id, generation=generation)
-            self.sup.log.warning("chaos: signalling rank", rank=inj.rank, signal=inj.signal,
+            self.ctx.record(ev.Chaos(id=str(inj.id), rank=inj.rank, signal=inj.signal,
+                                     step=inj.step, node_id=node.node_id,
+                                     generation=generation))
+            self.ctx.log.warning("chaos: signalling rank", rank=inj.rank, signal=inj.signal,
                                  at_step=inj.step)
             await self.nodes.send_signal(node.node_id, inj.rank, inj.signal)
 
@@ -296,21 +314,23 @@ class Intake:
         failing = [e for e in self.exits.values() if e["exit_code"] != 0 or e["signal"]]
         failing.sort(key=lambda e: e["ts"])
         root = failing[0] if cause is Cause.WORKER_EXIT and failing else detail
-        message = detail.get("message") or _describe_exit(root)
+        message = str(detail.get("message") or _describe_exit(root))[:4096]
         out = {"generation": generation, "cause": cause.value, "rank": root.get("rank"),
                "node_id": root.get("node_id"), "exit_code": root.get("exit_code"),
                "signal": root.get("signal"), "message": message,
                "log_tail": root.get("log_tail", []),
-               "newest_checkpoint_step": self.sup.view.newest_checkpoint_step,
+               "newest_checkpoint_step": self.ctx.view.newest_checkpoint_step,
                "last_step": self.progress.current.last_step if self.progress.current else None,
                "other_exits": [{k: e[k] for k in ("rank", "exit_code", "signal")}
                                for e in failing[1:]]}
+        if root.get("error"):
+            out["error"] = root["error"]
         for key in ("suspects", "stacks"):
             if key in detail:
                 out[key] = detail[key]
         node = self.nodes.nodes.get(out["node_id"] or "")
         if node is not None:
-            node.failure_times.append(self.sup.clock.time())
+            node.failure_times.append(self.ctx.clock.time())
         return out
 
 
@@ -318,6 +338,13 @@ _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
                         "checkpoint_fetched", "checkpoint_upload_retry",
                         "checkpoint_upload_failed", "checkpoint_upload_skipped",
                         "stability_skip", "startup"}
+
+
+def _first_problem(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors(include_url=False)[0]
+        return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"[:300]
+    return str(exc)[:300]
 
 
 def _describe_exit(e: dict[str, Any]) -> str:

@@ -20,7 +20,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from orchestrator import __version__
+from orchestrator import events as ev
 from orchestrator.books import BADPUT_CATEGORIES
+from orchestrator.events import Envelope, parse_event
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import Cause, JobState, NodeState
 
@@ -152,27 +154,33 @@ class SupervisorMetrics:
         for state, n in counts.items():
             self.nodes.labels(self.job, state).set(n)
 
-    def on_event(self, e: dict[str, Any]) -> None:
-        """Fold a journal event into the metrics it moves."""
-        kind, job = e.get("kind"), self.job
-        if kind == "job_created":
-            self.created_ts.labels(job).set(e.get("ts") or 0)
-        elif kind == "transition":
-            self.set_state(JobState(e["to"]))
-        elif kind == "failure" and e.get("cause") in FAILURE_CAUSES:
-            self.failures.labels(job, e["cause"]).inc()
-        elif kind == "generation_launched" and e.get("after_cause") in FAILURE_CAUSES:
-            self.restarts.labels(job, e["after_cause"]).inc()
-        elif kind == "checkpoint_committed" and e.get("via") != "upload":
+    def on_event(self, env: Envelope | dict[str, Any]) -> None:
+        """Fold a journal event into the metrics it moves (a raw dict is parsed first)."""
+        if isinstance(env, dict):
+            parsed, _ = parse_event(env)
+            if parsed is None:
+                return
+            env = parsed
+        e, job = env.event, self.job
+        if isinstance(e, ev.JobCreated):
+            self.created_ts.labels(job).set(env.ts)
+        elif isinstance(e, ev.Transition):
+            self.set_state(e.to)
+        elif isinstance(e, ev.Failure) and e.cause.value in FAILURE_CAUSES:
+            self.failures.labels(job, e.cause.value).inc()
+        elif isinstance(e, ev.GenerationLaunched) and e.after_cause is not None \
+                and e.after_cause.value in FAILURE_CAUSES:
+            self.restarts.labels(job, e.after_cause.value).inc()
+        elif isinstance(e, ev.CheckpointCommitted) and e.via != "upload":
             # Uploads lag the saves: a remote copy committed later must not move these back.
-            self.last_ckpt_step.labels(job).set(e["step"])
-            self.last_ckpt_ts.labels(job).set(e.get("ts") or 0)
-            if e.get("blocking_s") is not None:
-                self.ckpt_blocking.labels(job).observe(e["blocking_s"])
-        elif kind == "rollback":
+            self.last_ckpt_step.labels(job).set(e.step)
+            self.last_ckpt_ts.labels(job).set(env.ts)
+            if e.blocking_s is not None:
+                self.ckpt_blocking.labels(job).observe(e.blocking_s)
+        elif isinstance(e, ev.Rollback):
             self.rollbacks.labels(job).inc()
-        elif kind == "health" and not e.get("ok", True):
-            self.health_failures.labels(job, str(e.get("check", "?"))).inc()
+        elif isinstance(e, ev.HealthResult) and not e.ok:
+            self.health_failures.labels(job, e.check).inc()
 
     def on_record(self, rec: dict[str, Any]) -> None:
         """Fold one of rank 0's step records in."""
@@ -219,9 +227,9 @@ class SupervisorMetrics:
             value = _number(summary.get(key))
             if value is not None:
                 gauge.labels(job).set(value)
-        for ev in events:
-            self.stability_events.labels(job, ev["kind"]).inc()
-            if ev["kind"] == "grad_spike":
+        for fired in events:
+            self.stability_events.labels(job, fired["kind"]).inc()
+            if fired["kind"] == "grad_spike":
                 self.spikes.labels(job).inc()
 
     def set_books(self, seconds: dict[str, float], goodput: float) -> None:

@@ -1,4 +1,15 @@
-"""The supervisor's live view of its nodes: registrations, liveness, ranks, assignments.
+"""The supervisor's live view of its nodes, and the node state machine beside the job's.
+
+Lifecycle of one node (``NODE_MOVES`` is the table; ``NodeRegistry.move`` the one function
+that changes a node's state, journaling each move as a ``node_state`` event)::
+
+    REGISTERED -> ACTIVE | SPARE       placed (or held back) for a generation
+    ACTIVE <-> SPARE                   placement changed
+    any live state -> LOST             agent silent past node_lost_s, or no stop confirmed
+    any live state -> EXCLUDED         failed a health check, or failed too often
+    any state -> EXITED                agent finished cleanly
+    LOST | EXITED -> REGISTERED        the agent registered or beat again
+    EXCLUDED -> REGISTERED             passed a re-check
 
 Assignments are versioned per node; an agent long-polls for a version newer than the one it
 holds, so a new command reaches it within one round trip rather than one heartbeat interval.
@@ -7,11 +18,28 @@ holds, so a new command reaches it within one round trip rather than one heartbe
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.clock import Clock
+from orchestrator.events import Envelope, Event, NodeStateChanged
 from orchestrator.protocol import Assignment, RankInfo, RegisterRequest, SignalOrder
 from orchestrator.state import NodeState
+
+_R, _A, _S, _L, _X, _E = (NodeState.REGISTERED, NodeState.ACTIVE, NodeState.SPARE,
+                          NodeState.LOST, NodeState.EXCLUDED, NodeState.EXITED)
+NODE_MOVES: dict[NodeState, frozenset[NodeState]] = {
+    _R: frozenset({_A, _S, _L, _X, _E}),
+    _A: frozenset({_A, _S, _L, _X, _E}),  # ACTIVE -> ACTIVE: its node rank changed
+    _S: frozenset({_A, _L, _X, _E}),
+    _L: frozenset({_R, _X, _E}),
+    _X: frozenset({_R, _E}),
+    _E: frozenset({_R}),
+}
+
+
+class IllegalNodeMove(RuntimeError):
+    """A node move the table does not allow (a bug in the caller, never swallowed)."""
 
 
 @dataclass
@@ -37,13 +65,49 @@ class NodeRecord:
 
 
 class NodeRegistry:
-    """Nodes by id. All methods run on the supervisor's event loop."""
+    """Nodes by id, and the owner of every node state change. All methods run on the
+    supervisor's event loop. ``record`` journals an event; ``on_counts`` receives the
+    number of nodes per state after every move (the metrics' gauge)."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, record: Callable[[Event], Envelope] | None = None,
+                 on_counts: Callable[[dict[str, int]], None] | None = None) -> None:
         self._clock = clock
+        self._record = record
+        self._on_counts = on_counts
         self.nodes: dict[str, NodeRecord] = {}
         self._changed = asyncio.Condition()
         self._signal_ids = 0
+
+    # -- the node state machine ------------------------------------------------------------
+    def move(self, node: NodeRecord, state: NodeState, reason: str | None = None, *,
+             node_rank: int | None | object = ...) -> None:
+        """The one way a node changes state: checked against ``NODE_MOVES``, journaled.
+
+        ``node_rank`` (when given, ``None`` included) is set with the move and journaled."""
+        if state not in NODE_MOVES[node.state] and state is not node.state:
+            raise IllegalNodeMove(f"node {node.node_id}: {node.state.value} -> {state.value}")
+        previous, node.state = node.state, state
+        fields: dict[str, object] = {}
+        if node_rank is not ...:
+            node.node_rank = node_rank  # type: ignore[assignment]
+            fields["node_rank"] = node_rank
+        if self._record is not None:
+            self._record(NodeStateChanged(node_id=node.node_id, state=state,
+                                          previous=previous, reason=reason, **fields))
+        self.sync_counts()
+
+    def sync_counts(self) -> None:
+        if self._on_counts is not None:
+            self._on_counts(self.counts())
+
+    def mark_silent_lost(self, limit_s: float) -> list[NodeRecord]:
+        """Every live node silent for more than ``limit_s`` becomes LOST (journaled)."""
+        lost = []
+        for node in self.nodes.values():
+            if node.state in (_A, _S, _R) and self.silent_for(node) > limit_s:
+                self.move(node, _L, reason=f"silent for {self.silent_for(node):.1f} s")
+                lost.append(node)
+        return lost
 
     # -- agents talking to us --------------------------------------------------------------
     def register(self, req: RegisterRequest) -> tuple[NodeRecord, bool]:
@@ -61,7 +125,7 @@ class NodeRegistry:
             if req.free_port:
                 node.free_port = req.free_port
             if node.state in (NodeState.LOST, NodeState.EXITED):
-                node.state = NodeState.REGISTERED
+                self.move(node, NodeState.REGISTERED, reason="registered again")
         node.generation = req.generation
         node.ranks = {r.rank: r for r in req.ranks}
         return node, known
@@ -73,6 +137,8 @@ class NodeRegistry:
             return None
         node.last_seen = self._clock.monotonic()
         node.generation = generation
+        if node.state is NodeState.LOST:  # it was slow, not dead: usable again
+            self.move(node, NodeState.REGISTERED, reason="heartbeat after being lost")
         if free_port:
             node.free_port = free_port
         for info in ranks:

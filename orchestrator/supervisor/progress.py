@@ -9,12 +9,14 @@ stays small while ``status`` and the books still see where training stood.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.clock import Clock
+from orchestrator.events import Envelope, Event, FirstStep, Progress
 from orchestrator.protocol import RankInfo
 
 
@@ -44,7 +46,7 @@ class ProgressTracker:
     """Folds heartbeats into per-rank progress and records rank 0's step stream."""
 
     def __init__(self, steps_path: Path, clock: Clock,
-                 record_event: Callable[..., dict[str, Any]],
+                 record_event: Callable[[Event], Envelope],
                  journal_every_s: float = 5.0) -> None:
         self._steps_path = steps_path
         self._clock = clock
@@ -90,17 +92,26 @@ class ProgressTracker:
         gen = self.current
         if not records or gen is None or generation != gen.generation:
             return False
+        # A record without a whole, non-negative step is not a step: it is not kept.
+        records = [r for r in records if isinstance(r.get("step"), int)
+                   and not isinstance(r.get("step"), bool) and 0 <= r["step"] <= 2**53]
+        if not records:
+            return False
         with open(self._steps_path, "a") as f:
             for rec in records:
-                f.write(json.dumps({"generation": generation, **rec}, default=str) + "\n")
+                line = {**rec, "generation": generation}
+                f.write(json.dumps(line, default=str) + "\n")
         last = records[-1]
         self.last_record = last
-        self.tokens = int(last.get("tokens") or self.tokens)
+        tokens = last.get("tokens")
+        if isinstance(tokens, int | float) and not isinstance(tokens, bool) \
+                and math.isfinite(tokens) and tokens >= 0:
+            self.tokens = int(tokens)
         if gen.first_step is None:
             first = records[0]
             gen.first_step, gen.first_step_ts = first["step"], first.get("ts")
-            self._record_event("first_step", generation=generation, step=first["step"],
-                               step_ts=first.get("ts"))
+            self._record_event(FirstStep(generation=generation, step=first["step"],
+                                         step_ts=_finite(first.get("ts"))))
         gen.last_step, gen.last_step_ts = last["step"], last.get("ts")
         now = self._clock.monotonic()
         if now - self._last_journaled >= self._journal_every_s:
@@ -112,9 +123,14 @@ class ProgressTracker:
         if gen is None or gen.last_step is None:
             return
         self._last_journaled = self._clock.monotonic()
-        self._record_event("progress", generation=gen.generation, step=gen.last_step,
-                           tokens=self.tokens, step_ts=gen.last_step_ts)
+        self._record_event(Progress(generation=gen.generation, step=gen.last_step,
+                                    tokens=max(0, self.tokens)))
 
     def rank_steps(self) -> dict[int, int | None]:
         gen = self.current
         return {} if gen is None else {r: p.step for r, p in gen.ranks.items()}
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value) else None

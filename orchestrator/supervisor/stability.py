@@ -27,7 +27,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator import events as ev
 from orchestrator.rundir import RunDir
+from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.rollback import (
     RollbackPlan,
     budget_refusal,
@@ -41,7 +43,6 @@ from stability.lineage import LineageMonitor
 
 if TYPE_CHECKING:
     from orchestrator.jobview import JobView
-    from orchestrator.supervisor.core import Supervisor
 
 CACHE_NAME = "stability.json"
 _CACHE_VERSION = 1
@@ -131,28 +132,40 @@ def run_lineage(run: RunDir) -> Callable[[], LineageMonitor]:
 class StabilityHook:
     """Held by the supervisor: detectors on rank 0's records, pending rollback, rollbacks."""
 
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.config = sup.cfg.stability
-        ckpt = sup.cfg.checkpoint
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.cfg.stability
+        ckpt = ctx.cfg.checkpoint
         self.lineage, self._offset = load_lineage(
-            sup.rundir, lambda: new_lineage(self.config, ckpt.interval_steps, ckpt.keep_last))
-        self.pending: RollbackPlan | None = _pending_from(sup.view, self.config)
-        self._cache_path = sup.rundir.root / CACHE_NAME
+            ctx.rundir, lambda: new_lineage(self.config, ckpt.interval_steps, ckpt.keep_last))
+        self.pending: RollbackPlan | None = _pending_from(ctx.recorder.view, self.config)
+        self._cache_path = ctx.rundir.root / CACHE_NAME
         self._cache_written = -math.inf
+        # A rollback's restore limit, for the next launch only (the launch consumes it).
+        self.resume_max_step: int | None = None
+        self.abandoned_records = 0  # records that arrived after a rollback was decided
 
     # -- the live stream -----------------------------------------------------------------------
     def on_records(self, generation: int, records: list[dict[str, Any]]) -> None:
-        """Feed rank 0's records of ``generation``; journal, count and log what fires."""
+        """Feed rank 0's records of ``generation``; journal, count and log what fires.
+
+        Once a rollback of ``generation`` is pending, its later records belong to the lineage
+        being abandoned (the ranks train on until the stop lands, a heartbeat or two): they
+        still feed the detectors (a restarted supervisor replays them too) but nothing they
+        fire is journaled or acted on, so one divergence is one response (CI once journaled
+        a second spike of generation 1 at step 32, seven steps past the onset)."""
         fired: list[dict[str, Any]] = []
         for raw in records:
             try:
                 events = self.lineage.feed(raw, generation)
             except ValueError as exc:
-                self.sup.log.warning("stability: unreadable step record skipped",
+                self.ctx.log.warning("stability: unreadable step record skipped",
                                      step=raw.get("step"), error=str(exc))
                 continue
             batch = raw.get("batch")
+            if self.pending is not None and self.pending.generation == generation:
+                self.abandoned_records += 1
+                continue
             for event in events:
                 onset: dict[str, Any] = {}
                 if event.action in _ROLLBACK_ACTIONS:
@@ -164,25 +177,28 @@ class StabilityHook:
                     self._maybe_plan(event, generation, **onset)
             if raw.get("skipped"):
                 fired.append(self._report_skipped(raw, generation))
-        self.sup.metrics.on_stability(self.lineage.monitor.summary(), fired)
-        if self.sup.rundir.steps.exists():
-            self._offset = self.sup.rundir.steps.stat().st_size
-        now = self.sup.clock.monotonic()
+        self.ctx.metrics.on_stability(self.lineage.monitor.summary(), fired)
+        if self.ctx.rundir.steps.exists():
+            self._offset = self.ctx.rundir.steps.stat().st_size
+        now = self.ctx.clock.monotonic()
         if fired or now - self._cache_written >= _CACHE_EVERY_S:
             self._cache_written = now
             try:
                 self.save_cache()
             except OSError as exc:  # only start-up time depends on it: never fail a beat
-                self.sup.log.warning("stability: could not write the cache", error=str(exc))
+                self.ctx.log.warning("stability: could not write the cache", error=str(exc))
 
     def _report(self, event: Event, generation: int, batch: Any,
                 onset: dict[str, Any]) -> dict[str, Any]:
         data = event.to_dict()
         figures = {k: v for k, v in data.items() if k not in ("kind", "step", "rule", "action")}
         figures.update(onset)
-        self.sup.record("stability", event=event.kind, rule=event.rule, action=event.action,
-                        step=event.step, generation=generation, batch=batch, **figures)
-        log = self.sup.log.info if event.kind == "grad_spike_end" else self.sup.log.warning
+        figures = {k: _json_number(v) for k, v in figures.items()}
+        self.ctx.record(ev.StabilityFired(
+            event=event.kind, rule=event.rule, action=event.action, step=event.step,
+            generation=generation, batch=batch if isinstance(batch, int) else None,
+            **figures))
+        log = self.ctx.log.info if event.kind == "grad_spike_end" else self.ctx.log.warning
         log("stability rule fired", kind=event.kind, rule=event.rule, action=event.action,
             step=event.step, **figures)
         return data
@@ -191,11 +207,14 @@ class StabilityHook:
         # The worker's SkipStepGuard skipped this update (on every rank): make it visible.
         data = {"kind": "update_skipped", "step": raw.get("step"), "rule": "worker",
                 "action": "skip_step"}
-        self.sup.record("stability", event="update_skipped", rule="worker", action="skip_step",
-                        step=raw.get("step"), generation=generation, batch=raw.get("batch"),
-                        grad_norm=_json_number(raw.get("grad_norm")),
-                        loss=_json_number(raw.get("loss")))
-        self.sup.log.warning("optimizer update skipped by the workers", step=raw.get("step"),
+        step, batch = raw.get("step"), raw.get("batch")
+        self.ctx.record(ev.StabilityFired(
+            event="update_skipped", rule="worker", action="skip_step",
+            step=step if isinstance(step, int) and step >= 0 else None,
+            generation=generation, batch=batch if isinstance(batch, int) and batch >= 0
+            else None, grad_norm=_json_number(raw.get("grad_norm")),
+            loss=_json_number(raw.get("loss"))))
+        self.ctx.log.warning("optimizer update skipped by the workers", step=raw.get("step"),
                              batch=raw.get("batch"))
         return data
 
@@ -205,9 +224,9 @@ class StabilityHook:
             return  # this generation is already being rolled back: one response per generation
         self.pending = plan_rollback(event, onset_step, onset_batch, generation, self.config)
         if onset_batch is None and event.action == "rollback":
-            self.sup.log.warning("stability: the records carry no batch index; rolling back "
+            self.ctx.log.warning("stability: the records carry no batch index; rolling back "
                                  "without skipping data", step=event.step)
-        self.sup.log.error("divergence: rollback requested", plan=self.pending.describe())
+        self.ctx.log.error("divergence: rollback requested", plan=self.pending.describe())
 
     # -- the recovery path ------------------------------------------------------------------
     def divergence(self, generation: int) -> dict[str, Any] | None:
@@ -242,8 +261,8 @@ class StabilityHook:
         from trainer.checkpoint.store import open_store
 
         # Every tier: a discarded step must not come back from S3 on the next restore.
-        store = open_store(self.sup.cfg.checkpoint, self.sup.cfg.job.name,
-                           self.sup.checkpoint_root)
+        store = open_store(self.ctx.cfg.checkpoint, self.ctx.cfg.job.name,
+                           self.ctx.checkpoint_root)
         listed = {tier.name: layout.list_checkpoints(tier.root, tier.fs) for tier in store.tiers}
         steps = sorted({c.step for infos in listed.values() for c in infos})
         discard = steps_to_discard(steps, plan.restore_max_step)
@@ -252,27 +271,29 @@ class StabilityHook:
                 if info.step in discard:
                     tier.fs.rm(layout.filesystem(info.url)[1], recursive=True)
         if discard:
-            self.sup.record("checkpoint_pruned", steps=discard, reason="rollback")
+            self.ctx.record(ev.CheckpointPruned(steps=discard, reason="rollback"))
         committed = {c.step for infos in listed.values() for c in infos if c.committed}
         target = restore_step(sorted(committed - set(discard)), plan.restore_max_step)
-        event = self.sup.record(
-            "rollback", action=plan.action, generation=plan.generation, trigger=plan.trigger,
+        env = self.ctx.record(ev.Rollback(
+            action=plan.action, generation=plan.generation,
+            trigger={k: _json_number(v) for k, v in plan.trigger.items()},
             detected_step=plan.detected_step, onset_step=plan.onset_step,
             onset_batch=plan.onset_batch, restore_max_step=plan.restore_max_step,
             restore_step=target,
             skip_window=list(plan.skip_window) if plan.skip_window else None,
             lr_scale=plan.lr_scale, lr_scale_total=view.lr_scale * plan.lr_scale,
             discarded_checkpoints=discard, from_step=from_step,
-            wasted_steps=None if from_step is None else max(0, from_step - (target or 0)))
-        self.sup.intake.resume_max_step = plan.restore_max_step
-        self.sup.log.warning("rolled back", restore_step=target, skip_window=plan.skip_window,
+            wasted_steps=None if from_step is None else max(0, from_step - (target or 0))))
+        event = env.event.fields()
+        self.resume_max_step = plan.restore_max_step
+        self.ctx.log.warning("rolled back", restore_step=target, skip_window=plan.skip_window,
                              lr_scale_total=event["lr_scale_total"], discarded=discard)
         return event
 
     # -- persistence -------------------------------------------------------------------------
     def save_cache(self) -> None:
         """Write the lineage state and the ``steps.jsonl`` offset it covers (atomically)."""
-        self.sup.rundir.write_json(self._cache_path, {
+        self.ctx.rundir.write_json(self._cache_path, {
             "version": _CACHE_VERSION, "steps_offset": self._offset,
             "lineage": self.lineage.state_dict()})
 

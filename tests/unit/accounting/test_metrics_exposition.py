@@ -104,7 +104,7 @@ def test_job_state_is_one_hot_and_follows_transitions(metrics: SupervisorMetrics
 
 def test_records_and_events_move_their_metrics(metrics: SupervisorMetrics) -> None:
     metrics.on_event({"kind": "job_created", "ts": 1234.5})
-    metrics.on_event({"kind": "generation_launched", "after_cause": "hang"})
+    metrics.on_event({"kind": "generation_launched", "generation": 2, "after_cause": "hang"})
     metrics.on_event({"kind": "failure", "cause": "hang"})
     metrics.on_event({"kind": "checkpoint_committed", "step": 50, "ts": 2000.0,
                       "blocking_s": 0.07})

@@ -8,8 +8,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from fakes import make_context
 from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.config import load_config
+from orchestrator.journal import read_events
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import node_checks
 from orchestrator.health.coordinator import HealthCoordinator
@@ -31,27 +33,21 @@ class FakeSupervisor:
                                       *overrides])
         self.clock = SYSTEM_CLOCK
         self.log = get_logger("test")
-        self.checkpoint_root = str(tmp / "ckpt")
+        self.ctx = make_context(tmp, self.cfg, SYSTEM_CLOCK, self.log,
+                                checkpoint_root=str(tmp / "ckpt"))
+        self.checkpoint_root = self.ctx.checkpoint_root
         self.stop_requested = asyncio.Event()
-        self.view = SimpleNamespace(generation=0)
-        self.events: list[dict[str, Any]] = []
-        nodes = NodeRegistry(SYSTEM_CLOCK)
+        nodes = NodeRegistry(SYSTEM_CLOCK, self.ctx.record)
         for i in range(n):
             nodes.register(RegisterRequest(node_id=f"local-{i}", host="h", addr="127.0.0.1",
                                            procs=1, agent_pid=1, free_port=20000 + i))
-        self.intake = SimpleNamespace(nodes=nodes, mark_silent_nodes_lost=list,
-                                      set_node_state=self._set_state)
-        self.health = HealthCoordinator(self)
+        self.intake = SimpleNamespace(nodes=nodes)
+        self.health = HealthCoordinator(self.ctx, nodes, self.stop_requested)
 
-    def _set_state(self, node: Any, state: NodeState, reason: str | None = None,
-                   **fields: Any) -> None:
-        node.state = state
-        self.record("node_state", node_id=node.node_id, state=state.value, reason=reason)
-
-    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"kind": kind, **fields}
-        self.events.append(event)
-        return event
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        self.ctx.recorder.journal.flush()
+        return list(read_events(self.ctx.rundir.journal))
 
 
 async def agents(sup: FakeSupervisor, answer: dict[str, Any]) -> None:

@@ -9,16 +9,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fakes import FakeClock, FakeLog, make_context
 from prometheus_client import CollectorRegistry
 
 from orchestrator.config import Config
-from orchestrator.journal import Journal, read_events
+from orchestrator.events import GenerationLaunched
+from orchestrator.journal import read_events
 from orchestrator.jobview import JobView
 from orchestrator.rundir import RunDir
 from orchestrator.state import Cause
 from orchestrator.status import build_status
 from orchestrator.supervisor.intake import Intake
-from orchestrator.supervisor.metrics import SupervisorMetrics
+from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import CACHE_NAME, StabilityHook
 from trainer.checkpoint import layout
 
@@ -27,26 +29,8 @@ STABILITY = {"warmup_steps": 5, "grad_spike": {"window": 5, "mode": "relative",
              "rollback": {"skip_batches": 5, "max_rollbacks": 1, "window_steps": 100}}
 
 
-class FakeClock:
-    t = 1000.0
-
-    def time(self) -> float:
-        return self.t
-
-    def monotonic(self) -> float:
-        return self.t
-
-
-class FakeLog:
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str):
-        return lambda msg, **kw: self.lines.append((level, msg, kw))
-
-
 class FakeSupervisor:
-    """What the hook and the intake use of a Supervisor, with a real journal and metrics."""
+    """What the hook and the intake take (a job context), with a real journal and metrics."""
 
     def __init__(self, root: Path, **sections: Any) -> None:
         self.cfg = Config.model_validate({"job": {"name": "t"},
@@ -54,20 +38,19 @@ class FakeSupervisor:
                                           "stability": STABILITY, **sections})
         self.rundir = RunDir(root)
         self.clock = FakeClock()
-        self.journal = Journal(self.rundir.journal, clock=self.clock.time)
-        self.view = JobView.from_events(read_events(self.rundir.journal))
         self.registry = CollectorRegistry()
-        self.metrics = SupervisorMetrics(self.registry, "t")
         self.log = FakeLog()
-        self.checkpoint_root = str(root / "checkpoints")
-        self.intake = SimpleNamespace(resume_max_step=None)
-        self.stability = StabilityHook(self)
+        self.ctx = make_context(root, self.cfg, self.clock, self.log, self.registry)
+        self.journal = self.ctx.recorder.journal
+        self.checkpoint_root = self.ctx.checkpoint_root
+        self.stability = StabilityHook(self.ctx)
 
-    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = self.journal.append(kind, **fields)
-        self.view.apply(event)
-        self.metrics.on_event(event)
-        return event
+    @property
+    def view(self) -> JobView:
+        return self.ctx.view
+
+    def record(self, event: Any) -> Any:
+        return self.ctx.record(event, durable=True)
 
     def beat(self, generation: int, records: list[dict[str, Any]]) -> None:
         """What ProgressTracker then the hook do with one heartbeat's records."""
@@ -75,6 +58,7 @@ class FakeSupervisor:
             for rec in records:
                 f.write(json.dumps({"generation": generation, **rec}) + "\n")
         self.stability.on_records(generation, records)
+        self.journal.flush()  # the tests read the file back
 
     def metric(self, name: str, **labels: str) -> float | None:
         return self.registry.get_sample_value(name, {"job": "t", **labels})
@@ -128,8 +112,7 @@ def test_a_rollback_rule_is_journaled_counted_logged_and_pending(sup: FakeSuperv
 
 
 def test_judge_turns_a_pending_rollback_into_a_divergence_outcome(sup: FakeSupervisor) -> None:
-    intake = Intake(sup)
-    sup.intake = intake
+    intake = Intake(sup.ctx, NodeRegistry(sup.clock), sup.stability, lambda *a: None)
     assert intake.judge(1, None) is None
     sup.beat(1, records(1, 24) + records(25, 25, {25: 900.0}))
     outcome = intake.judge(1, None)
@@ -148,7 +131,7 @@ def test_roll_back_discards_the_abandoned_lineage_and_journals_the_window(
     assert event["restore_step"] == 20 and event["restore_max_step"] == 24
     assert event["discarded_checkpoints"] == [30, 40]
     assert event["skip_window"] == [24, 29] and event["wasted_steps"] == 13
-    assert sup.intake.resume_max_step == 24
+    assert sup.stability.resume_max_step == 24
     assert sup.view.skip_windows == [[24, 29]] and sup.view.lr_scale == 1.0
     assert 30 in sup.view.pruned_steps
     assert sup.metric("orchestrator_rollbacks_total") == 1
@@ -159,6 +142,7 @@ def test_a_second_rollback_within_the_window_is_refused(sup: FakeSupervisor) -> 
     make_checkpoints(sup.checkpoint_root, committed=[10, 20], debris=[])
     sup.beat(1, records(1, 24) + records(25, 26, {25: 900.0}))
     sup.stability.roll_back(sup.view, {"generation": 1, "last_step": 26})
+    sup.journal.flush()
     sup.beat(2, records(21, 24) + records(25, 27, {27: 900.0}, shift=5))
     assert sup.stability.divergence(2)["onset_step"] == 27
     reason = sup.stability.refusal(sup.view, 2)
@@ -169,7 +153,8 @@ def test_a_second_rollback_within_the_window_is_refused(sup: FakeSupervisor) -> 
 def test_a_late_plan_of_a_handled_generation_is_not_carried_out(sup: FakeSupervisor) -> None:
     sup.beat(1, records(1, 24) + records(25, 25, {25: 900.0}))
     assert sup.stability.roll_back(sup.view, {"generation": 2, "last_step": 30}) is None
-    assert sup.intake.resume_max_step is None
+    sup.journal.flush()
+    assert sup.stability.resume_max_step is None
     assert not [e for e in read_events(sup.rundir.journal) if e["kind"] == "rollback"]
 
 
@@ -210,6 +195,7 @@ def test_status_reports_the_stability_picture(sup: FakeSupervisor) -> None:
     make_checkpoints(sup.checkpoint_root, committed=[10, 20], debris=[])
     sup.beat(1, records(1, 24) + records(25, 26, {25: 900.0}))
     sup.stability.roll_back(sup.view, {"generation": 1, "last_step": 26})
+    sup.journal.flush()
     sup.beat(2, records(21, 24) + records(25, 30, shift=5))
     st = build_status(JobView.from_events(read_events(sup.rundir.journal)), sup.rundir)
     stab = st["stability"]
@@ -234,7 +220,7 @@ def test_a_step_committed_again_after_a_rollback_counts_as_committed() -> None:
 
 def test_a_supervisor_restarted_mid_divergence_still_rolls_back(tmp_path: Path) -> None:
     first = FakeSupervisor(tmp_path)
-    first.record("generation_launched", generation=1)
+    first.record(GenerationLaunched(generation=1, world_size=1))
     first.beat(1, records(1, 24) + records(25, 27, {25: 900.0}))
     plan = first.stability.pending
     first.journal.close()
@@ -245,3 +231,17 @@ def test_a_supervisor_restarted_mid_divergence_still_rolls_back(tmp_path: Path) 
     again.journal.close()
     after = FakeSupervisor(tmp_path)  # the rollback is in the journal: nothing pending
     assert after.stability.pending is None
+
+
+def test_records_after_a_pending_rollback_fire_nothing_more(sup: FakeSupervisor) -> None:
+    # The ranks train on for a heartbeat or two after the rollback is decided: a second
+    # spike in that abandoned stretch is neither journaled nor a second plan.
+    sup.beat(1, records(1, 24) + records(25, 26, {25: 900.0}))
+    plan = sup.stability.pending
+    assert plan is not None
+    sup.beat(1, records(27, 31) + records(32, 32, {32: 5000.0}))
+    spikes = [e for e in read_events(sup.rundir.journal)
+              if e["kind"] == "stability" and e["event"] == "grad_spike"]
+    assert [e["step"] for e in spikes] == [25]
+    # 26 (the rest of the beat that decided it) and 27..32
+    assert sup.stability.pending == plan and sup.stability.abandoned_records == 7

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.journal import Journal, read_events
+from orchestrator import events as ev
+from orchestrator.journal import Journal, SkipReport, read_events, read_journal
 from orchestrator.jobview import JobView
 from orchestrator.state import ALLOWED, IllegalTransition, JobState, check_transition
 
@@ -35,19 +36,67 @@ def test_terminal_states_have_no_way_out() -> None:
 def test_journal_appends_durably_and_survives_a_torn_line(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     with Journal(path, clock=lambda: 100.0) as j:
-        j.append("a", x=1)
-        j.append("b", y=[1, 2])
+        j.append(ev.Progress(generation=1, step=1, tokens=2))
+        j.append(ev.CheckpointPruned(steps=[1, 2]))
     with open(path, "a") as f:
         f.write('{"seq": 3, "kind": "tor')  # writer killed mid-line
     with Journal(path, clock=lambda: 200.0) as j:
-        e = j.append("c")
-    assert e["seq"] == 3  # the torn line never counted
-    events = list(read_events(path))
-    assert [ev["kind"] for ev in events] == ["a", "b", "c"]
-    assert events[0]["ts"] == 100.0 and events[1]["y"] == [1, 2]
+        e = j.append(ev.Progress(generation=1, step=3), durable=True)
+        on_disk = list(read_events(path))  # durable: on disk before append returned
+    assert e.seq == 3  # the torn line never counted
+    assert [x["kind"] for x in on_disk] == ["progress", "checkpoint_pruned", "progress"]
+    skipped = SkipReport()
+    events = list(read_journal(path, skipped))
+    assert [x.kind for x in events] == ["progress", "checkpoint_pruned", "progress"]
+    assert events[0].ts == 100.0 and events[1].event.steps == [1, 2]
+    assert skipped.lines == 1 and "not JSON" in skipped.reasons[0]
     for line in path.read_text().splitlines():
         if "tor" not in line:
             json.loads(line)
+
+
+def test_data_cannot_set_the_envelope_or_write_non_standard_json() -> None:
+    with pytest.raises(ValueError):
+        ev.WorkerNote(kind="resumed", seq=99)
+    with pytest.raises(ValueError):
+        ev.WorkerNote(kind="startup", ts=1.0)
+    with pytest.raises(ValueError):
+        ev.CheckpointCommitted(step=1, blocking_s=float("nan"))
+    with pytest.raises(ValueError):
+        ev.WorkerNote(kind="startup", load=float("inf"))
+    with pytest.raises(ValueError):
+        ev.CheckpointCommitted(step="abc")
+    with pytest.raises(ValueError):
+        ev.NodeRegistered(node_id="x" * 300)
+
+
+def test_readers_skip_and_report_what_they_cannot_parse(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    lines = [
+        {"seq": 1, "ts": 1.0, "kind": "job_created", "job": "j", "steps": 10},
+        {"seq": 2, "ts": 2.0, "kind": "checkpoint_committed"},  # no step
+        {"seq": 3, "ts": 3.0, "kind": "checkpoint_committed", "step": "abc"},
+        {"seq": 4, "ts": 4.0, "kind": "from_the_future", "x": 1},
+        {"seq": 5, "ts": 5.0, "kind": "checkpoint_committed", "step": 7, "new_field": 1},
+        [1, 2, 3],
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\nNaN\n"
+                    + '{"seq": 6, "ts": NaN, "kind": "progress", "generation": 1, "step": 1}\n')
+    skipped = SkipReport()
+    view = JobView.from_events(read_journal(path, skipped))
+    assert view.job == "j" and view.newest_checkpoint_step == 7
+    assert skipped.lines == 6
+    assert any("unknown kind 'from_the_future'" in r for r in skipped.reasons)
+
+
+def test_group_commit_writes_many_events_in_few_fsyncs(tmp_path: Path) -> None:
+    with Journal(tmp_path / "events.jsonl") as j:
+        for i in range(2000):
+            j.append(ev.RanksStopped(node_id=f"n{i}", generation=1))
+        j.flush()
+        batches = j.batches
+    assert len(list(read_events(tmp_path / "events.jsonl"))) == 2000
+    assert batches < 2000  # one fsync per round, not per event
 
 
 def _fail(gen: int, newest: int | None) -> dict:

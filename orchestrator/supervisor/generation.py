@@ -1,0 +1,233 @@
+"""The platform parts of one generation: launch, observe, stop, stack dumps, adoption.
+
+torch elastic splits its agent into ``_start_workers``, ``_monitor_workers`` and
+``_stop_workers`` under one template loop; these are ours. The supervisor's loop
+(``core.Supervisor._drive``) decides what happens next from what these return; they change
+no job state themselves (node states go through the registry's state machine, events
+through the recorder). Every deadline and sleep reads the one clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator import events as ev
+from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.supervisor.context import JobContext
+from orchestrator.supervisor.hangs import collective_timeout_s
+from orchestrator.supervisor.intake import Intake, Observation
+from orchestrator.supervisor.nodes import NodeRegistry
+from orchestrator.supervisor.outcome import Outcome
+from orchestrator.supervisor.placement import Placement
+from orchestrator.supervisor.stability import StabilityHook
+
+# How often the observe loop wakes without news, to check silences and timeouts.
+TICK_S = 0.2
+# The agents confirm a stop within the ranks' grace; this much more covers the round trips.
+_STOP_CONFIRM_EXTRA_S = 5.0
+
+
+class GenerationParts:
+    """Launch, observe and stop one generation of the job's ranks.
+
+    ``stop_requested`` ends an observation early; ``transition`` is the supervisor's one way
+    to move the job (called only for LAUNCHING -> RUNNING, which happens mid-observation).
+    """
+
+    def __init__(self, ctx: JobContext, nodes: NodeRegistry, intake: Intake,
+                 stability: StabilityHook, stop_requested: asyncio.Event,
+                 transition: Callable[[JobState], None]) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.nodes = nodes
+        self.intake = intake
+        self.stability = stability
+        self.stop_requested = stop_requested
+        self._transition = transition
+
+    # -- launch ------------------------------------------------------------------------------
+    async def launch(self, generation: int, placement: Placement) -> None:
+        nodes = self.nodes
+        rank0 = next(n for n, r in placement.active.items() if r == 0)
+        master = nodes.nodes[rank0]
+        ppn = self.cfg.cluster.procs_per_node
+        env = self.generation_env(generation)
+        self.stability.resume_max_step = None  # a rollback's limit holds for one launch only
+        assignments = {}
+        for node_id, node_rank in placement.active.items():
+            assignments[node_id] = {
+                "action": "run", "generation": generation, "node_rank": node_rank,
+                "nproc": ppn, "world_size": self.cfg.cluster.world_size,
+                "rank_offset": node_rank * ppn, "master_addr": master.addr,
+                "master_port": master.free_port, "entrypoint": self.entrypoint(),
+                "env": env, "signals": [], "preload": self.preload()}
+        view = self.ctx.view
+        after = view.failures[-1]["cause"] if view.failures else None
+        self.intake.begin_generation(generation, self.cfg.cluster.world_size)
+        self.ctx.record(ev.GenerationLaunched(
+            generation=generation, world_size=self.cfg.cluster.world_size,
+            master_addr=master.addr, master_port=master.free_port, nodes=placement.active,
+            spares=placement.spares, after_cause=after,
+            resume_step=view.newest_checkpoint_step, assignments=assignments), durable=True)
+        for node_id, assignment in assignments.items():
+            await nodes.assign(node_id, **assignment)
+        for node_id in placement.spares:
+            await nodes.assign(node_id, action="idle", generation=None)
+        for node in nodes.with_state(NodeState.EXCLUDED):
+            await nodes.assign(node.node_id, action="idle", generation=None)
+
+    def preload(self) -> list[str]:
+        """What a spare interpreter imports ahead of a restart (the built-in trainer's
+        modules; a user's own script gets fresh processes)."""
+        if self.cfg.job.entrypoint or not self.cfg.job.warm_start:
+            return []
+        return ["trainer.main", "trainer.build", "trainer.loop"]
+
+    def entrypoint(self) -> list[str]:
+        if self.cfg.job.entrypoint:
+            return list(self.cfg.job.entrypoint)
+        from orchestrator.launchers.base import default_python
+
+        return [default_python(self.cfg), "-m", "trainer"]
+
+    def generation_env(self, generation: int) -> dict[str, str]:
+        """What a generation's ranks need beyond torch.distributed's variables."""
+        chaos = self.cfg.chaos
+        # The S3 endpoint (MinIO, ...) as botocore reads it, so every S3 client of a rank
+        # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
+        endpoint = self.cfg.checkpoint.endpoint_url
+        resume_max = self.stability.resume_max_step
+        return {
+            **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
+            **self.cfg.job.env,
+            "ORCH_JOB": self.cfg.job.name,
+            "ORCH_GENERATION": str(generation),
+            "ORCH_CHECKPOINT_ROOT": self.ctx.checkpoint_root,
+            "ORCH_SKIP_WINDOWS": json.dumps(self.ctx.view.skip_windows),
+            "ORCH_LR_SCALE": repr(self.ctx.view.lr_scale),
+            # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
+            "ORCH_RESUME_MAX_STEP": "" if resume_max is None else str(resume_max),
+            "ORCH_COLLECTIVE_TIMEOUT_S": str(round(collective_timeout_s(
+                self.cfg.timeouts, self.intake.training_timeout), 1)),
+            "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
+                                      "fail_at_start_rank": chaos.fail_at_start_rank,
+                                      "slow_checkpoint_s": chaos.slow_checkpoint_s,
+                                      "slow_first_step_s": chaos.slow_first_step_s,
+                                      "kills": self.intake.chaos.pending()}),
+        }
+
+    # -- observe -----------------------------------------------------------------------------
+    async def observe(self, generation: int, *, adopting: bool = False) -> Outcome | None:
+        """LAUNCHING/RUNNING: observe until the generation completes (None) or fails.
+
+        Moves LAUNCHING -> RUNNING once every rank has started. An operator's stop ends the
+        observation with an ``operator`` outcome."""
+        intake, clock = self.intake, self.ctx.clock
+        launch_deadline = clock.monotonic() + self.cfg.timeouts.launch_s
+        while True:
+            if self.stop_requested.is_set():
+                return Outcome(Cause.OPERATOR, {})
+            try:
+                obs: Observation | None = await clock.wait_for(intake.queue.get(), TICK_S)
+            except TimeoutError:
+                obs = None
+            outcome = intake.judge(generation, obs)
+            if outcome is not None:
+                return outcome if outcome.cause is not Cause.COMPLETED else None
+            if self.ctx.view.state is JobState.LAUNCHING:
+                if intake.all_started(generation):
+                    self._transition(JobState.RUNNING)
+                elif clock.monotonic() > launch_deadline:
+                    return Outcome(Cause.WORKER_EXIT if not adopting else Cause.NODE_LOST,
+                                   {"message": "ranks did not start within "
+                                               f"{self.cfg.timeouts.launch_s:.0f} s"})
+            await intake.tick(generation)
+
+    async def adopt(self, generation: int) -> Outcome | None:
+        """After a supervisor restart mid-run: re-attach to the running generation.
+
+        Agents kept their ranks training and re-register on their own; once every node of
+        the generation is back, it gets its assignment re-issued unchanged (a no-op for the
+        agent). Returns the outcome when the generation cannot go on (a node did not come
+        back, or the supervisor died while stopping it), else None: observe on."""
+        launch = self.ctx.view.launches[-1]
+        self.intake.begin_generation(generation, launch["world_size"], adopting=True)
+        assignments: dict[str, dict[str, Any]] = launch["assignments"]
+        clock = self.ctx.clock
+        deadline = clock.monotonic() + self.cfg.timeouts.node_lost_s
+        while clock.monotonic() < deadline and not set(assignments) <= set(self.nodes.nodes):
+            if self.stop_requested.is_set():
+                break
+            await clock.sleep(TICK_S)
+        missing = sorted(set(assignments) - set(self.nodes.nodes))
+        for node_id, assignment in assignments.items():
+            if node_id not in missing:
+                node = self.nodes.nodes[node_id]
+                if node.generation == generation:  # registered before we were listening
+                    self.intake.started[node_id] = sorted(node.ranks)
+                await self.nodes.assign(node_id, **assignment)
+        if self.ctx.view.state is JobState.STOPPING:
+            return Outcome(Cause.NODE_LOST, {
+                "message": "the supervisor died while stopping this generation"})
+        if missing:
+            return Outcome(Cause.NODE_LOST, {
+                "node_id": missing[0],
+                "message": f"node(s) {', '.join(missing)} did not come back after the "
+                           "supervisor restart"})
+        return None
+
+    # -- stop --------------------------------------------------------------------------------
+    async def dump_stacks(self, generation: int) -> list[str]:
+        """Every rank writes its Python stacks (faulthandler on SIGUSR1) before the kill.
+
+        SIGCONT follows so a stopped process wakes to take the pending SIGUSR1; it is about
+        to be stopped for good anyway.
+        """
+        ppn = self.cfg.cluster.procs_per_node
+        for node in self.nodes.active():
+            if node.node_rank is None or node.state is not NodeState.ACTIVE:
+                continue
+            for local in range(ppn):
+                rank = node.node_rank * ppn + local
+                await self.nodes.send_signal(node.node_id, rank, "SIGUSR1")
+                await self.nodes.send_signal(node.node_id, rank, "SIGCONT")
+        stacks = self.ctx.rundir.stacks
+        wanted = [stacks / f"gen{generation:04d}-rank{r:05d}.txt"
+                  for r in range(self.cfg.cluster.world_size)]
+        clock = self.ctx.clock
+        deadline = clock.monotonic() + self.cfg.timeouts.stack_dump_wait_s
+        while clock.monotonic() < deadline:
+            if all(p.exists() and p.stat().st_size > 0 for p in wanted):
+                break
+            await clock.sleep(0.1)
+        found = [str(p) for p in wanted if p.exists() and p.stat().st_size > 0]
+        self.ctx.log.warning("hang: stacks dumped", files=len(found), of=len(wanted),
+                             dir=str(stacks))
+        return found
+
+    async def stop(self, generation: int) -> None:
+        """STOPPING: stop every rank of the generation, wait for agents to confirm; a node
+        that does not confirm in time is LOST."""
+        nodes = self.nodes
+        waiting = [n for n in nodes.active() if n.state is NodeState.ACTIVE]
+        for node in waiting:
+            await nodes.assign(node.node_id, action="stop", generation=generation)
+        clock = self.ctx.clock
+        deadline = clock.monotonic() + self.cfg.timeouts.stop_grace_s + _STOP_CONFIRM_EXTRA_S
+        while clock.monotonic() < deadline:
+            self.intake.mark_silent_nodes_lost()
+            pending = [n for n in waiting if n.state is NodeState.ACTIVE
+                       and n.stopped_generation != generation]
+            if not pending:
+                return
+            try:
+                obs = await clock.wait_for(self.intake.queue.get(), TICK_S)
+                self.intake.judge(generation, obs)
+            except TimeoutError:
+                pass
+        for node in waiting:
+            if node.stopped_generation != generation and node.state is NodeState.ACTIVE:
+                nodes.move(node, NodeState.LOST, reason="did not confirm the stop in time")

@@ -1,0 +1,199 @@
+"""The supervisor's parts on the fake clock: the node state machine, judging a generation,
+its root cause, and the stop deadline. No processes, no sockets: time moves only when the
+test (or an awaited wait of the parts) moves it, so every timeout is asserted exactly."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeClock, FakeLog, make_context
+
+from orchestrator import events as ev
+from orchestrator.config import Config
+from orchestrator.journal import read_events
+from orchestrator.protocol import RankExit, RanksStarted, RanksStopped, RankInfo, \
+    RegisterRequest, WorkerEvent
+from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.supervisor.generation import TICK_S, GenerationParts
+from orchestrator.supervisor.intake import Intake, Observation
+from orchestrator.supervisor.nodes import NODE_MOVES, IllegalNodeMove, NodeRegistry
+from orchestrator.supervisor.stability import StabilityHook
+
+
+class Parts:
+    """A supervisor's collaborators around a real journal, on a fake clock."""
+
+    def __init__(self, root: Path, nodes: int = 2, ppn: int = 1) -> None:
+        self.cfg = Config.model_validate({
+            "job": {"name": "t"}, "cluster": {"nodes": nodes, "procs_per_node": ppn},
+            "timeouts": {"node_lost_s": 10.0, "stop_grace_s": 3.0}})
+        self.clock = FakeClock()
+        self.log = FakeLog()
+        self.ctx = make_context(root, self.cfg, self.clock, self.log)
+        self.nodes = NodeRegistry(self.clock, self.ctx.record)
+        self.stability = StabilityHook(self.ctx)
+        self.intake = Intake(self.ctx, self.nodes, self.stability, lambda *a: None)
+        self.stop = asyncio.Event()
+        self.moves: list[JobState] = []
+        self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
+                                     self.stop, self.moves.append)
+        for i in range(nodes):
+            node, _ = self.nodes.register(RegisterRequest(
+                node_id=f"n{i}", host="h", addr="127.0.0.1", procs=ppn, agent_pid=100 + i,
+                free_port=20000 + i))
+            self.nodes.move(node, NodeState.ACTIVE, node_rank=i)
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        self.ctx.recorder.journal.flush()
+        return [e for e in read_events(self.ctx.rundir.journal) if e["kind"] == kind]
+
+
+@pytest.fixture
+def p(tmp_path: Path) -> Parts:
+    return Parts(tmp_path)
+
+
+# -- the node state machine ----------------------------------------------------------------
+def test_every_node_move_is_checked_and_journaled(p: Parts) -> None:
+    node = p.nodes.nodes["n0"]
+    p.nodes.move(node, NodeState.LOST, reason="test")
+    with pytest.raises(IllegalNodeMove):
+        p.nodes.move(node, NodeState.SPARE)  # a lost node must come back first
+    assert node.state is NodeState.LOST
+    moves = [(e["node_id"], e["previous"], e["state"]) for e in p.events("node_state")]
+    assert moves[-1] == ("n0", "active", "lost")
+    assert ("n0", "registered", "active") in moves
+
+
+def test_the_table_lets_every_state_leave_and_exited_only_come_back() -> None:
+    for state, targets in NODE_MOVES.items():
+        assert targets, state
+    assert NODE_MOVES[NodeState.EXITED] == {NodeState.REGISTERED}
+    assert NodeState.ACTIVE not in NODE_MOVES[NodeState.LOST]
+
+
+def test_silence_makes_a_node_lost_exactly_past_its_limit(p: Parts) -> None:
+    p.clock.advance(10.0)
+    assert p.nodes.mark_silent_lost(10.0) == []  # at the limit: not yet
+    p.clock.advance(0.01)
+    lost = p.nodes.mark_silent_lost(10.0)
+    assert sorted(n.node_id for n in lost) == ["n0", "n1"]
+
+
+def test_a_lost_node_that_beats_again_is_registered_again(p: Parts) -> None:
+    node = p.nodes.nodes["n1"]
+    p.nodes.move(node, NodeState.LOST, reason="silent")
+    p.nodes.heartbeat("n1", None, None, [])
+    assert node.state is NodeState.REGISTERED
+    assert p.events("node_state")[-1]["reason"] == "heartbeat after being lost"
+
+
+# -- judging a generation ------------------------------------------------------------------
+def started(node: str, rank: int) -> Observation:
+    return Observation("started", node, RanksStarted(
+        generation=1, ranks=[RankInfo(rank=rank, local_rank=0, pid=10 + rank)], ts=1.0))
+
+
+def exited(node: str, rank: int, code: int | None = 0, signal: str | None = None,
+           ts: float = 1.0) -> Observation:
+    return Observation("exit", node, RankExit(generation=1, rank=rank, exit_code=code,
+                                              signal=signal, ts=ts, log_tail=["last"]))
+
+
+def test_clean_exits_of_every_rank_complete_the_generation(p: Parts) -> None:
+    p.intake.begin_generation(1, 2)
+    for obs in (started("n0", 0), started("n1", 1), exited("n0", 0)):
+        assert p.intake.judge(1, obs) is None
+    outcome = p.intake.judge(1, exited("n1", 1))
+    assert outcome is not None and outcome.cause is Cause.COMPLETED
+
+
+def test_exits_of_ranks_outside_the_world_change_nothing(p: Parts) -> None:
+    p.intake.begin_generation(1, 2)
+    for rank in (1000, 1001):
+        assert p.intake.judge(1, exited("n0", rank)) is None
+    assert p.intake.exits == {}
+
+
+def test_the_earliest_failing_rank_is_the_root_cause(p: Parts) -> None:
+    p.intake.begin_generation(1, 2)
+    first = p.intake.judge(1, exited("n1", 1, code=None, signal="SIGKILL", ts=5.0))
+    assert first is not None and first.cause is Cause.WORKER_EXIT
+    p.intake.judge(1, exited("n0", 0, code=1, ts=5.5))  # its peer, a moment later
+    failure = p.intake.root_cause(1, Cause.WORKER_EXIT, first.detail)
+    assert (failure["rank"], failure["node_id"], failure["signal"]) == (1, "n1", "SIGKILL")
+    assert failure["other_exits"] == [{"rank": 0, "exit_code": 1, "signal": None}]
+    ev.Failure(**failure)  # and it is a valid journal event
+
+
+@pytest.mark.parametrize("data", [{}, {"step": "abc"}, {"step": -1},
+                                  {"step": 3, "blocking_s": float("nan")},
+                                  {"step": 3, "path": "x" * 10_000}])
+def test_a_worker_event_that_does_not_fit_its_type_is_rejected_not_journaled(
+        p: Parts, data: dict[str, Any]) -> None:
+    p.intake.begin_generation(1, 2)
+    p.intake.judge(1, Observation("worker", "n0", WorkerEvent(
+        generation=1, rank=0, name="checkpoint_committed", data=data, ts=1.0)))
+    assert p.events("checkpoint_committed") == []
+    assert p.events("message_rejected")[-1]["node_id"] == "n0"
+    assert p.ctx.view.newest_checkpoint_step is None
+
+
+def test_worker_event_data_cannot_speak_for_another_rank_or_the_envelope(p: Parts) -> None:
+    p.intake.begin_generation(1, 2)
+    p.intake.judge(1, Observation("worker", "n0", WorkerEvent(
+        generation=1, rank=0, name="checkpoint_committed", ts=1.0,
+        data={"step": 7, "generation": 99, "rank": 5, "seq": 1, "kind": "transition",
+              "node_id": "n1"})))
+    (committed,) = p.events("checkpoint_committed")
+    assert (committed["generation"], committed["rank"], committed["step"]) == (1, 0, 7)
+    assert committed["seq"] > 1
+
+
+# -- the stop deadline ---------------------------------------------------------------------
+def test_a_node_that_never_confirms_the_stop_is_lost_at_the_deadline(p: Parts) -> None:
+    async def scenario() -> float:
+        start = p.clock.monotonic()
+        # n0 confirms at once; n1 never does.
+        p.intake.queue.put_nowait(Observation("stopped", "n0", RanksStopped(
+            generation=1, ts=1.0)))
+        await p.parts.stop(1)
+        return p.clock.monotonic() - start
+
+    waited = asyncio.run(scenario())
+    deadline = p.cfg.timeouts.stop_grace_s + 5.0
+    assert deadline <= waited <= deadline + TICK_S
+    assert p.nodes.nodes["n0"].state is NodeState.ACTIVE
+    assert p.nodes.nodes["n1"].state is NodeState.LOST
+    assert p.events("node_state")[-1]["reason"] == "did not confirm the stop in time"
+
+
+def test_launch_waits_for_every_rank_then_moves_to_running(p: Parts) -> None:
+    async def scenario() -> Any:
+        p.intake.begin_generation(1, 2)
+        p.ctx.recorder.view.state = JobState.LAUNCHING
+        for obs in (started("n0", 0), started("n1", 1), exited("n0", 0, code=3)):
+            p.intake.queue.put_nowait(obs)
+        return await p.parts.observe(1)
+
+    outcome = asyncio.run(scenario())
+    assert p.moves == [JobState.RUNNING]
+    assert outcome.cause is Cause.WORKER_EXIT and outcome.detail["exit_code"] == 3
+
+
+def test_ranks_that_never_start_fail_the_launch_at_its_deadline(p: Parts) -> None:
+    async def scenario() -> Any:
+        p.intake.begin_generation(1, 2)
+        p.ctx.recorder.view.state = JobState.LAUNCHING
+        p.intake.queue.put_nowait(started("n0", 0))
+        start = p.clock.monotonic()
+        outcome = await p.parts.observe(1)
+        return outcome, p.clock.monotonic() - start
+
+    outcome, waited = asyncio.run(scenario())
+    assert outcome.cause is Cause.WORKER_EXIT and "did not start" in outcome.detail["message"]
+    assert p.cfg.timeouts.launch_s < waited <= p.cfg.timeouts.launch_s + 2 * TICK_S
+    assert p.moves == []
