@@ -3,7 +3,7 @@
 Who may call what (``orchestrator.auth``): the agents' routes (register, heartbeat, events,
 assignment) need a node's own credential, the operator's routes (stop, status) the job secret;
 anything else gets 401. A node speaks only for itself and its ranks (``admission``): a message
-it may not send gets 403 and a ``message_refused`` journal event naming it, and changes
+it may not send gets 403 and a ``message_rejected`` journal event naming it, and changes
 nothing. Bodies are parsed straight from bytes into the protocol's strict models: a malformed
 request gets a 4xx naming the problem, never a crash of the supervisor. Size, depth, header
 time and node count are bounded by the ``api`` config section.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import ssl
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,15 +27,35 @@ from orchestrator.supervisor.intake import UnknownNode
 
 if TYPE_CHECKING:
     from orchestrator.config.schema import Config
-    from orchestrator.supervisor.core import Supervisor
+    from orchestrator.jobview import JobView
+    from orchestrator.rundir import RunDir
+    from orchestrator.supervisor.bookkeeper import BookKeeper
+    from orchestrator.supervisor.intake import Intake
+    from orchestrator.supervisor.metrics import SupervisorMetrics
+
+
+class SupervisorApi(Protocol):
+    """What the API serves from: the supervisor, seen only through these (no import of it,
+    so the server and the supervisor form no cycle)."""
+
+    cfg: Config
+    token: str
+    intake: Intake
+    rundir: RunDir
+    books: BookKeeper
+    metrics: SupervisorMetrics
+    log: Any
+
+    @property
+    def view(self) -> JobView: ...
+
+    def request_stop(self, reason: str = "operator") -> None: ...
+
 
 # An agent's long-poll waits at most this long for a new assignment, then asks again.
 _POLL_MAX_S = 30.0
 # Open requests get this long to finish when the server stops.
 _SHUTDOWN_GRACE_S = 2.0
-# A node's refusals are journaled at most once per this many seconds (with a count of the
-# ones in between), so a node that keeps sending forgeries cannot fill the journal.
-_REFUSAL_JOURNAL_EVERY_S = 10.0
 _NODE_ROUTES = frozenset({"/v1/register", "/v1/heartbeat", "/v1/events", "/v1/assignment"})
 _LIVE = (NodeState.REGISTERED, NodeState.ACTIVE, NodeState.SPARE)
 
@@ -56,12 +76,11 @@ def server_ssl_context(cfg: Config) -> ssl.SSLContext | None:
 
 
 class ApiServer:
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: SupervisorApi) -> None:
         self.sup = sup
         self.api = sup.cfg.api
         self.scheme = "https" if self.api.tls_cert else "http"
         self._runner: web.AppRunner | None = None
-        self._refused: dict[str, tuple[float, int]] = {}  # node -> (last journaled, since)
         app = web.Application(client_max_size=int(self.api.max_body_mb * 2**20),
                               middlewares=[self._guard])
         app.router.add_get("/healthz", self.healthz)
@@ -118,17 +137,8 @@ class ApiServer:
             return _error(500, f"internal error: {type(exc).__name__}")
 
     def _refuse(self, node_id: str, route: str, refusal: admission.Refusal) -> web.Response:
-        now = self.sup.clock.monotonic()
-        last, since = self._refused.get(node_id, (float("-inf"), 0))
-        if now - last >= _REFUSAL_JOURNAL_EVERY_S:
-            self.sup.record("message_refused", node_id=node_id, route=route,
-                            status=refusal.status, reason=refusal.reason[:500],
-                            suppressed=since)
-            self.sup.log.warning("message refused", node=node_id, route=route,
-                                 reason=refusal.reason[:500])
-            self._refused[node_id] = (now, 0)
-        else:
-            self._refused[node_id] = (last, since + 1)
+        # Journaled as ``message_rejected`` naming the node (intake bounds how many).
+        self.sup.intake.reject(node_id, route, refusal.reason)
         return _error(refusal.status, refusal.reason)
 
     def _limits(self) -> admission.Limits:

@@ -81,7 +81,7 @@ def test_api_requires_the_token_and_rejects_garbage(tmp_path: Path, dataset_dir:
         assert _call(f"{base}/healthz", None, None, "GET")[0] == 200
         # Nothing of the refused requests reached the journal but the refusal, naming the node.
         assert not [e for e in journal(run) if e["kind"] == "node_registered"]
-        refused = [e for e in journal(run) if e["kind"] == "message_refused"]
+        refused = [e for e in journal(run) if e["kind"] == "message_rejected"]
         assert [e["node_id"] for e in refused] == ["n1"]
         assert states(run)[-1] == "HEALTH_CHECK"
 

@@ -7,7 +7,7 @@ broken, wrong types, NaN/Infinity, huge numbers, escape codes, foreign node ids 
 and raw garbage. After every request:
 
 - the answer is 200 or a 4xx that names the problem (never a 5xx, never a dropped connection);
-- a refused request added nothing to the journal but a ``message_refused`` line;
+- a refused request added nothing to the journal but a ``message_rejected`` line;
 - nothing the fuzzing node sent produced a journal line naming another node;
 - every journal line is standard JSON (no NaN, no Infinity).
 
@@ -108,7 +108,7 @@ class Live:
             assert b"error" in data, data[:300]
         for event in self.new_journal_lines():
             if status != 200:
-                assert event["kind"] == "message_refused", (event, (body or b"")[:300])
+                assert event["kind"] == "message_rejected", (event, (body or b"")[:300])
             assert event.get("node_id") in (None, NODE), event
         return status
 
@@ -384,7 +384,7 @@ def test_after_the_fuzz_the_supervisor_runs_and_resumes(live: Live, dataset_dir:
     assert {e["node_id"] for e in journal if "node_id" in e} == {NODE}
     assert [e["to"] for e in journal if e["kind"] == "transition"] == ["HEALTH_CHECK"]
     print(f"journal after the fuzz: {len(journal)} lines, refusals journaled: "
-          f"{sum(e['kind'] == 'message_refused' for e in journal)}; sent {live.sent}")
+          f"{sum(e['kind'] == 'message_rejected' for e in journal)}; sent {live.sent}")
     out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(live.run),
                           "--json"], capture_output=True, text=True, env=env(), timeout=60)
     assert out.returncode == 0, out.stderr

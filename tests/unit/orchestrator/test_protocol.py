@@ -92,6 +92,8 @@ def test_a_non_finite_loss_in_a_step_record_is_data_not_an_error() -> None:
     ("checkpoint_committed", {"step": -1}, "step"),
     ("checkpoint_committed", {"step": 1.5}, "step"),
     ("checkpoint_committed", {"step": True}, "step"),
+    ("checkpoint_committed", {"step": 3, "blocking_s": float("nan")}, "blocking_s"),
+    ("checkpoint_committed", {"step": 3, "path": "x" * 10_000}, "path"),
     ("checkpoint_committed", {"step": 1, "generation": 9}, "generation"),
     ("resumed", {"step": 1, "rank": 3}, "rank"),
     ("my_event", {"kind": "transition"}, "kind"),
