@@ -119,7 +119,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> Iterato
     cfg = write_config(tmp / "job.yaml", dataset_dir, launcher={"kind": "kubernetes"},
                        cluster={"nodes": 2, "procs_per_node": 2},
                        timeouts={"register_s": 3600, "node_lost_s": 3600},
-                       api={"max_body_mb": 1})
+                       api={"max_body_mb": 1, "header_timeout_s": 2})
     run = tmp / "run"
     state: Live | None = None
     out = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(cfg), "--run-dir",
@@ -342,6 +342,15 @@ def test_routes_need_the_right_principal(live: Live) -> None:
     assert status == 403
     status, _ = live.request("GET", "/v1/status", None, token=live.token)
     assert status == 200
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(live: Live) -> None:
+    # Slowloris: half a request, then nothing. The server closes it (api.header_timeout_s,
+    # 2 s here); the socket's own timeout is only the test's guard against a hang.
+    for opening in (b"", b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nAuthoriz"):
+        with socket.create_connection(("127.0.0.1", live.port), timeout=60) as sock:
+            sock.sendall(opening)
+            assert sock.recv(1024) == b""
 
 
 def _fuzz(live: Live, route: str, examples: int) -> None:
