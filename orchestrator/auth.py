@@ -52,10 +52,11 @@ def authenticate(secret: str, bearer: str) -> Principal | None:
     m = _CREDENTIAL.match(bearer)
     if m is not None:
         node_id, given = m.group(1), m.group(2)
-        if hmac.compare_digest(given.encode(), _mac(secret, node_id).encode()):
+        if hmac.compare_digest(given.encode("ascii"), _mac(secret, node_id).encode("ascii")):
             return Principal("node", node_id)
         return None
-    if hmac.compare_digest(bearer.encode(), secret.encode()):
+    # "replace": a header may carry lone surrogates (undecodable bytes); they match nothing.
+    if hmac.compare_digest(bearer.encode("utf-8", "replace"), secret.encode()):
         return Principal("operator")
     return None
 

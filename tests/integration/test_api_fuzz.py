@@ -354,6 +354,12 @@ def test_routes_need_the_right_principal(live: Live) -> None:
     assert status == 403
     status, _ = live.request("GET", "/v1/status", None, token=live.token)
     assert status == 200
+    # Undecodable and forged credentials in the header itself.
+    for bearer in ("\xff\xfe" + live.cred, live.cred.replace(NODE, "fuzz-1"), live.cred[:-2],
+                   "orch-node-v1.." + "0" * 64, "x" * 8000):
+        status, _ = live.request("POST", "/v1/heartbeat", json.dumps({"node_id": NODE}).encode(),
+                                 token=bearer)
+        assert status in (400, 401), bearer[:40]
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(live: Live) -> None:
