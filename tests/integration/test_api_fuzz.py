@@ -144,6 +144,9 @@ def live(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> Iterato
                         what="supervisor.json")
         token = (run / "token").read_text().strip()
         state = Live(run, info["port"], token, node_credential(token, NODE))
+        # The supervisor's own start (job_created ... HEALTH_CHECK) is not the fuzz's doing.
+        wait_for(lambda: any(e["kind"] == "transition" for e in state.new_journal_lines()),
+                 30, what="HEALTH_CHECK")
         status = state.send("register", "POST", "/v1/register", json.dumps(_register()).encode())
         assert status == 200
         yield state
