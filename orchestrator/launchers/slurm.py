@@ -80,8 +80,9 @@ class SlurmLauncher(Launcher):
                                f"the job needs {wanted} (cluster.nodes + cluster.spares)")
         nodes = math.ceil(wanted / per_node)
         for i in range(wanted):
+            # One line: the task's `read` fails on a last line with no newline.
             spec.run_dir.write_secret(spec.run_dir.credentials / f"slurm-{i}",
-                                      spec.credential(f"slurm-{i}"))
+                                      spec.credential(f"slurm-{i}") + "\n")
         self._srun(spec, [f"--nodes={nodes}", f"--ntasks={wanted}",
                           f"--ntasks-per-node={per_node}"], "slurm-$SLURM_PROCID", "srun")
 
@@ -95,7 +96,7 @@ class SlurmLauncher(Launcher):
         if not node_id.startswith("slurm-"):
             return False
         spec.run_dir.write_secret(spec.run_dir.credentials / node_id,
-                                  spec.credential(node_id))
+                                  spec.credential(node_id) + "\n")
         self._srun(spec, ["--nodes=1", "--ntasks=1", "--overlap"], shlex.quote(node_id),
                    node_id)
         return True

@@ -1,13 +1,16 @@
-"""What a node may say: a pure check of one parsed message against the node's assignment.
+"""What a node may say: a pure check of one parsed message against the node's place in the job.
 
 The API server authenticates the node (``orchestrator.auth``), parses the message
 (``orchestrator.protocol``), then asks here whether this node may send it. A node speaks for
-itself and for the ranks of its current assignment only:
+itself and for the ranks of its slice of the newest generation only:
 
 - every message names the authenticated node (``node_id``); a result of a health check too;
-- ranks it reports (heartbeats, starts, exits, worker events) lie inside the job's world,
-  and for the generation it is assigned, inside its own slice
-  ``[rank_offset, rank_offset + nproc)``; a generation newer than its assignment is refused;
+- ranks it reports (heartbeats, starts, exits, worker events) lie inside the job's world; for
+  the newest launched generation, inside the node's own slice of it (``Slice``, from the
+  journal's ``generation_launched``, so it holds across a supervisor restart and for spares,
+  whose slice is empty); a generation not launched yet is refused (no exit can be sent
+  ahead for a generation to come); an older generation's straggler passes (intake ignores
+  what it no longer needs);
 - a calibration value (``step_interval_max``) stays under ``limits.max_step_interval_s``;
 - a registration does not move a live node to another address, nor add a node past
   ``limits.max_nodes``.
@@ -22,7 +25,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from orchestrator.protocol import (
-    Assignment,
     EventBatch,
     HealthReport,
     Heartbeat,
@@ -47,13 +49,21 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class Slice:
+    """A node's ranks ``[lo, hi)`` in the newest launched generation (empty if not in it)."""
+
+    generation: int
+    lo: int = 0
+    hi: int = 0
+
+
+@dataclass(frozen=True)
 class KnownNode:
     """What the server knows of a registered node (from intake's registry)."""
 
     host: str
     addr: str
     live: bool  # registered, active or spare, and heard from within node_lost_s
-    assignment: Assignment
 
 
 def _forged(reason: str) -> Refusal:
@@ -67,7 +77,7 @@ def check_node_id(principal: str, claimed: str) -> Refusal | None:
 
 
 def check_register(principal: str, req: RegisterRequest, known: KnownNode | None,
-                   node_count: int, limits: Limits) -> Refusal | None:
+                   node_count: int, current: Slice | None, limits: Limits) -> Refusal | None:
     refusal = check_node_id(principal, req.node_id)
     if refusal is not None:
         return refusal
@@ -77,19 +87,18 @@ def check_register(principal: str, req: RegisterRequest, known: KnownNode | None
     if known is not None and known.live and (req.addr, req.host) != (known.addr, known.host):
         return Refusal(409, f"node {principal} is live at {known.addr} ({known.host}); it "
                             "may register another address once it is lost")
-    return _ranks(principal, req.generation, req.ranks, known.assignment if known else None,
-                  limits)
+    return _ranks(principal, req.generation, req.ranks, current, limits)
 
 
-def check_heartbeat(principal: str, hb: Heartbeat, assignment: Assignment | None,
+def check_heartbeat(principal: str, hb: Heartbeat, current: Slice | None,
                     limits: Limits) -> Refusal | None:
     refusal = check_node_id(principal, hb.node_id)
     if refusal is not None:
         return refusal
-    return _ranks(principal, hb.generation, hb.ranks, assignment, limits)
+    return _ranks(principal, hb.generation, hb.ranks, current, limits)
 
 
-def check_events(principal: str, batch: EventBatch, assignment: Assignment | None,
+def check_events(principal: str, batch: EventBatch, current: Slice | None,
                  limits: Limits) -> Refusal | None:
     refusal = check_node_id(principal, batch.node_id)
     if refusal is not None:
@@ -105,16 +114,16 @@ def check_events(principal: str, batch: EventBatch, assignment: Assignment | Non
             ranks: Iterable[int] = (ev.rank,)
         elif isinstance(ev, RanksStarted):
             ranks = (r.rank for r in ev.ranks)
-        else:  # RanksStopped: names no rank
+        else:  # RanksStopped: names no rank, but a generation
             ranks = ()
-        refusal = _rank_numbers(principal, ev.generation, ranks, assignment, limits,
+        refusal = _rank_numbers(principal, ev.generation, ranks, current, limits,
                                 what=f"event {i} ({ev.type})")
         if refusal is not None:
             return refusal
     return None
 
 
-def _ranks(principal: str, generation: int | None, infos: Iterable, assignment: Assignment | None,
+def _ranks(principal: str, generation: int | None, infos: Iterable, current: Slice | None,
            limits: Limits) -> Refusal | None:
     infos = list(infos)
     for info in infos:
@@ -123,27 +132,29 @@ def _ranks(principal: str, generation: int | None, infos: Iterable, assignment: 
             return Refusal(403, f"rank {info.rank} reports a step interval of "
                                 f"{info.step_interval_max:g} s; api.max_step_interval_s is "
                                 f"{limits.max_step_interval_s:g}")
-    return _rank_numbers(principal, generation, (i.rank for i in infos), assignment, limits,
-                         what="ranks")
+    ranks = [i.rank for i in infos]
+    if generation is None:
+        if ranks:
+            return _forged(f"node {principal}: reports ranks {ranks[:3]} of no generation")
+        return None
+    return _rank_numbers(principal, generation, ranks, current, limits, what="ranks")
 
 
-def _rank_numbers(principal: str, generation: int | None, ranks: Iterable[int],
-                  assignment: Assignment | None, limits: Limits, what: str) -> Refusal | None:
+def _rank_numbers(principal: str, generation: int, ranks: Iterable[int],
+                  current: Slice | None, limits: Limits, what: str) -> Refusal | None:
     ranks = list(ranks)
     outside = [r for r in ranks if r >= limits.world_size]
     if outside:
         return _forged(f"node {principal}: {what} names rank {outside[0]}, outside the "
                        f"world of {limits.world_size}")
-    assigned = assignment.generation if assignment is not None else None
-    if assigned is None or generation is None or not ranks:
-        return None  # nothing assigned (yet, or since a supervisor restart): world bound only
-    if generation > assigned:
-        return _forged(f"node {principal}: {what} for generation {generation}, but it is "
-                       f"assigned generation {assigned}")
-    if generation == assigned:
-        lo, hi = assignment.rank_offset, assignment.rank_offset + assignment.nproc
-        foreign = [r for r in ranks if not lo <= r < hi]
+    if current is None or generation > current.generation:
+        newest = "none" if current is None else str(current.generation)
+        return _forged(f"node {principal}: {what} for generation {generation}, which was "
+                       f"never launched (newest: {newest})")
+    if generation == current.generation:
+        foreign = [r for r in ranks if not current.lo <= r < current.hi]
         if foreign:
+            mine = f"{current.lo}..{current.hi - 1}" if current.hi > current.lo else "none"
             return _forged(f"node {principal}: {what} names rank {foreign[0]}; its ranks in "
-                           f"generation {assigned} are {lo}..{hi - 1}")
+                           f"generation {generation} are {mine}")
     return None  # an older generation's straggler: intake ignores what it no longer needs

@@ -152,13 +152,24 @@ class ApiServer:
         if rec is None:
             return None
         live = rec.state in _LIVE and nodes.silent_for(rec) <= self.sup.cfg.timeouts.node_lost_s
-        return admission.KnownNode(rec.host, rec.addr, live, rec.assignment)
+        return admission.KnownNode(rec.host, rec.addr, live)
 
-    def _assignment(self, node_id: str) -> Any:
-        rec = self.sup.intake.nodes.nodes.get(node_id)
-        if rec is None:
+    def _slice(self, node_id: str) -> admission.Slice | None:
+        """The node's ranks in the newest launched generation, from the journal's launch
+        record (so it holds across a supervisor restart, before assignments are re-sent)."""
+        launches = self.sup.view.launches
+        if not launches:
+            return None
+        launch = launches[-1]
+        node_rank = launch.get("nodes", {}).get(node_id)
+        if node_rank is None:
+            return admission.Slice(launch["generation"])
+        ppn = self.sup.cfg.cluster.procs_per_node
+        return admission.Slice(launch["generation"], node_rank * ppn, (node_rank + 1) * ppn)
+
+    def _registered(self, node_id: str) -> None:
+        if node_id not in self.sup.intake.nodes.nodes:
             raise UnknownNode(node_id)
-        return rec.assignment
 
     # -- routes ------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
@@ -172,7 +183,8 @@ class ApiServer:
         node = _node(request)
         req = await self._parse(request, RegisterRequest)
         refusal = admission.check_register(node, req, self._known(req.node_id),
-                                           len(self.sup.intake.nodes.nodes), self._limits())
+                                           len(self.sup.intake.nodes.nodes),
+                                           self._slice(node), self._limits())
         if refusal is not None:
             return self._refuse(node, "register", refusal)
         resp = self.sup.intake.on_register(req)
@@ -181,8 +193,9 @@ class ApiServer:
     async def heartbeat(self, request: web.Request) -> web.Response:
         node = _node(request)
         hb = await self._parse(request, Heartbeat)
-        refusal = admission.check_heartbeat(node, hb, self._assignment(hb.node_id)
-                                            if hb.node_id == node else None, self._limits())
+        if hb.node_id == node:
+            self._registered(node)
+        refusal = admission.check_heartbeat(node, hb, self._slice(node), self._limits())
         if refusal is not None:
             return self._refuse(node, "heartbeat", refusal)
         return web.json_response(self.sup.intake.on_heartbeat(hb))
@@ -190,8 +203,9 @@ class ApiServer:
     async def events(self, request: web.Request) -> web.Response:
         node = _node(request)
         batch = await self._parse(request, EventBatch)
-        refusal = admission.check_events(node, batch, self._assignment(batch.node_id)
-                                         if batch.node_id == node else None, self._limits())
+        if batch.node_id == node:
+            self._registered(node)
+        refusal = admission.check_events(node, batch, self._slice(node), self._limits())
         if refusal is not None:
             return self._refuse(node, "events", refusal)
         self.sup.intake.on_events(batch)

@@ -452,8 +452,10 @@ def test_after_the_fuzz_the_supervisor_runs_and_resumes(live: Live, dataset_dir:
                for line in (live.run / "events.jsonl").read_text().splitlines()]
     assert {e["node_id"] for e in journal if "node_id" in e} == {NODE}
     assert [e["to"] for e in journal if e["kind"] == "transition"] == ["HEALTH_CHECK"]
-    # The well-typed share reached admission and was accepted as often as refused.
-    assert min(live.accepted.get(r, 0) for r in ("register", "heartbeat", "events")) >= 100
+    # The well-typed share reached admission: some was accepted (no generation is launched
+    # here, so an event naming a rank never is: only empty batches pass).
+    assert min(live.accepted.get(r, 0) for r in ("register", "heartbeat")) >= 100
+    assert live.accepted.get("events", 0) >= 10
     print(f"journal after the fuzz: {len(journal)} lines, refusals journaled: "
           f"{sum(e['kind'] == 'message_rejected' for e in journal)}; sent {live.sent}; "
           f"accepted {live.accepted}; supervisor CPU {_cpu_s(live):.1f} s")

@@ -16,10 +16,11 @@ from orchestrator.auth import (
     is_node_credential,
     node_credential,
 )
-from orchestrator.protocol import Assignment, EventBatch, Heartbeat, RegisterRequest
+from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest
 from orchestrator.supervisor.admission import (
     KnownNode,
     Limits,
+    Slice,
     check_events,
     check_heartbeat,
     check_register,
@@ -27,9 +28,9 @@ from orchestrator.supervisor.admission import (
 
 SECRET = "s3cret-job-token-for-tests"
 LIMITS = Limits(world_size=4, max_step_interval_s=3600.0, max_nodes=3)
-# local-1 runs ranks 2 and 3 of generation 5.
-RUNNING = Assignment(version=3, action="run", generation=5, node_rank=1, nproc=2, world_size=4,
-                     rank_offset=2)
+# local-1 runs ranks 2 and 3 of generation 5 (the newest launched); a spare runs none.
+RUNNING = Slice(generation=5, lo=2, hi=4)
+SPARE = Slice(generation=5)
 
 
 def test_a_credential_authenticates_its_node_only() -> None:
@@ -70,13 +71,15 @@ def test_heartbeats_only_for_the_nodes_own_ranks() -> None:
     # Speaking as another node.
     refusal = check_heartbeat("local-1", _hb("local-0", 5, 0), RUNNING, LIMITS)
     assert refusal is not None and "as node 'local-0'" in refusal.reason
-    # A generation it was never assigned.
+    # A generation not launched yet: no heartbeat, exit or event can be sent ahead for it.
     assert check_heartbeat("local-1", _hb("local-1", 6, 2), RUNNING, LIMITS) is not None
+    assert check_heartbeat("local-1", _hb("local-1", 0, 0), None, LIMITS) is not None
     # An older generation's straggler is harmless (intake ignores it) and not a forgery.
     assert check_heartbeat("local-1", _hb("local-1", 4, 0), RUNNING, LIMITS) is None
-    # Nothing assigned yet (a supervisor restart): the world bound still holds.
-    assert check_heartbeat("local-1", _hb("local-1", 5, 3), Assignment(), LIMITS) is None
-    assert check_heartbeat("local-1", _hb("local-1", 5, 4), Assignment(), LIMITS) is not None
+    # A spare has no ranks in the current generation; an idle node reports none at all.
+    assert check_heartbeat("spare-0", _hb("spare-0", 5, 0), SPARE, LIMITS) is not None
+    assert check_heartbeat("spare-0", _hb("spare-0", None), SPARE, LIMITS) is None
+    assert check_heartbeat("spare-0", _hb("spare-0", None, 0), SPARE, LIMITS) is not None
 
 
 def test_calibration_is_bounded() -> None:
@@ -116,6 +119,11 @@ def test_exits_only_for_the_nodes_own_ranks() -> None:
     stopped = {"type": "ranks_stopped", "generation": 5, "ts": 1.0}
     assert check_events("local-1", _events("local-1", stopped), RUNNING, LIMITS) is None
     assert check_events("local-1", _events("local-0", stopped), RUNNING, LIMITS) is not None
+    # A spare (or a node before any launch) cannot report an exit of a running rank.
+    assert check_events("spare-0", _events("spare-0", _exit(2, code=1)), SPARE,
+                        LIMITS) is not None
+    assert check_events("local-1", _events("local-1", _exit(2, code=1)), None,
+                        LIMITS) is not None
 
 
 def test_health_results_only_for_the_node_itself() -> None:
@@ -135,17 +143,19 @@ def _reg(node: str, addr: str = "10.0.0.2", host: str = "h2") -> RegisterRequest
 
 
 def test_registration_names_itself_keeps_a_live_address_and_a_node_limit() -> None:
-    live = KnownNode(host="h2", addr="10.0.0.2", live=True, assignment=RUNNING)
-    lost = KnownNode(host="h2", addr="10.0.0.2", live=False, assignment=RUNNING)
-    assert check_register("local-1", _reg("local-1"), None, 0, LIMITS) is None
-    assert check_register("local-1", _reg("local-0"), None, 0, LIMITS).status == 403
-    assert check_register("local-1", _reg("local-1"), live, 2, LIMITS) is None  # same place
-    moved = check_register("local-1", _reg("local-1", addr="6.6.6.6"), live, 2, LIMITS)
+    live = KnownNode(host="h2", addr="10.0.0.2", live=True)
+    lost = KnownNode(host="h2", addr="10.0.0.2", live=False)
+    assert check_register("local-1", _reg("local-1"), None, 0, None, LIMITS) is None
+    assert check_register("local-1", _reg("local-0"), None, 0, None, LIMITS).status == 403
+    assert check_register("local-1", _reg("local-1"), live, 2, RUNNING, LIMITS) is None
+    moved = check_register("local-1", _reg("local-1", addr="6.6.6.6"), live, 2, RUNNING,
+                           LIMITS)
     assert moved is not None and moved.status == 409
-    assert check_register("local-1", _reg("local-1", addr="6.6.6.6"), lost, 2, LIMITS) is None
-    full = check_register("local-9", _reg("local-9"), None, 3, LIMITS)
+    assert check_register("local-1", _reg("local-1", addr="6.6.6.6"), lost, 2, RUNNING,
+                          LIMITS) is None
+    full = check_register("local-9", _reg("local-9"), None, 3, RUNNING, LIMITS)
     assert full is not None and "max_nodes" in full.reason
-    assert check_register("local-1", _reg("local-1"), live, 3, LIMITS) is None  # known node
+    assert check_register("local-1", _reg("local-1"), live, 3, RUNNING, LIMITS) is None
 
 
 @pytest.mark.parametrize("rank", [0, 1, 4, 1000])
@@ -153,5 +163,10 @@ def test_a_registration_may_not_claim_foreign_ranks(rank: int) -> None:
     req = RegisterRequest(node_id="local-1", host="h2", addr="10.0.0.2", procs=1,
                           agent_pid=1, generation=5,
                           ranks=[{"rank": rank, "local_rank": 0}])
-    known = KnownNode(host="h2", addr="10.0.0.2", live=True, assignment=RUNNING)
-    assert check_register("local-1", req, known, 2, LIMITS) is not None
+    known = KnownNode(host="h2", addr="10.0.0.2", live=True)
+    assert check_register("local-1", req, known, 2, RUNNING, LIMITS) is not None
+    # Its own ranks, re-registering after a supervisor restart, are accepted.
+    own = RegisterRequest(node_id="local-1", host="h2", addr="10.0.0.2", procs=1, agent_pid=1,
+                          generation=5, ranks=[{"rank": 2, "local_rank": 0},
+                                               {"rank": 3, "local_rank": 1}])
+    assert check_register("local-1", own, known, 2, RUNNING, LIMITS) is None
