@@ -23,6 +23,8 @@ from pydantic import (
     Field,
     JsonValue,
     StringConstraints,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     model_validator,
     with_config,
@@ -115,6 +117,21 @@ class StepRecord(TypedDict, extra_items=float | int | bool | None | ShortStr):  
 
     step: Step
     ts: NotRequired[Timestamp]
+
+
+_STEP_RECORD: TypeAdapter[StepRecord] = TypeAdapter(StepRecord)
+
+
+def keep_valid_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The step records a heartbeat may carry, and how many were dropped: one bad record (a
+    user's metric that is a list, a 10 kB string) must not make the whole beat unsendable."""
+    kept = []
+    for rec in records:
+        try:
+            kept.append(_STEP_RECORD.validate_python(rec))
+        except ValidationError:
+            continue
+    return kept, len(records) - len(kept)
 
 
 class RegisterRequest(Inbound):
@@ -276,4 +293,4 @@ class Assignment(Message):
 __all__ = ["PHASES", "AgentEvent", "Assignment", "EventBatch", "FiniteFloat", "HealthOrder",
            "HealthReport", "HealthResult", "Heartbeat", "Inbound", "Message", "NodeId", "Phase",
            "RankExit", "RankInfo", "RanksStarted", "RanksStopped", "RegisterRequest",
-           "RegisterResponse", "SignalOrder", "StepRecord", "WorkerEvent"]
+           "RegisterResponse", "SignalOrder", "StepRecord", "WorkerEvent", "keep_valid_records"]

@@ -19,6 +19,7 @@ from orchestrator.protocol import (
     RanksStopped,
     RegisterRequest,
     WorkerEvent,
+    keep_valid_records,
 )
 
 
@@ -194,3 +195,11 @@ def test_a_100k_deep_body_is_refused_by_the_parser_at_once() -> None:
 def test_a_health_result_must_be_a_check_result() -> None:
     with pytest.raises(ValidationError):
         HealthReport(nonce="n", stage="node", sent_ts=1.0, results=[{"node_id": "local-0"}])
+
+
+def test_an_agent_drops_a_bad_step_record_not_the_beat() -> None:
+    good = {"step": 3, "ts": 1.7e9, "loss": float("nan"), "note": "ok"}
+    kept, dropped = keep_valid_records([good, {"step": "4"}, {"step": 5, "hist": [1, 2]},
+                                        {"step": 6, "s": "x" * 300}])
+    assert kept == [good] and dropped == 3
+    Heartbeat(node_id="local-0", records=kept)
