@@ -176,6 +176,7 @@ class Books:
         self.short: list[list[float | None]] = []  # [start, end|None]: short of nodes
         self.node_state: dict[str, str] = {}
         self.newest_ckpt = 0
+        self.paused: list[tuple[float, float]] = []  # STOPPED until continued
 
     # -- folding -------------------------------------------------------------------------
     def apply(self, env: Envelope | dict[str, Any]) -> None:
@@ -229,6 +230,11 @@ class Books:
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
 
     def _on_transition(self, ts: float, to: str, cause: str | None) -> None:
+        if to == "PENDING" and self.end_ts is not None:
+            # A stopped job continued (up --resume): the time it stood stopped is nobody's
+            # cluster time, booked to no category and left out of the total.
+            self.paused.append((self.end_ts, ts))
+            self.end_ts = None
         self.transitions.append((ts, to, cause))
         open_window = self.windows[-1] if self.windows and self.windows[-1].end is None \
             else None
@@ -282,7 +288,7 @@ class Books:
         for w in self.windows:
             self._book_window(book, w, min(w.end if w.end is not None else end, end),
                               resume_points)
-        total = end - self.created_ts
+        total = end - self.created_ts - sum(b - a for a, b in self.paused if b <= end)
         goodput = seconds["productive"] / total if total > 0 else 0.0
         return Ledger(seconds, total, goodput)
 

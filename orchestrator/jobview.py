@@ -67,6 +67,7 @@ class JobView:
     health: list[dict[str, Any]] = field(default_factory=list)
     first_steps: dict[int, int] = field(default_factory=dict)
     recovery_delay_s: float | None = None  # the backoff of the newest RECOVERING move
+    segments: int = 1  # a stopped job continued with `up --resume` starts another
 
     @classmethod
     def from_events(cls, events: Iterable[Envelope | dict[str, Any]]) -> JobView:
@@ -99,6 +100,9 @@ class JobView:
         self.supervisor_starts.append({"ts": ts, "pid": e.pid, "resumed": e.resumed})
 
     def _on_transition(self, e: ev.Transition, ts: float) -> None:
+        if e.to is JobState.PENDING and self.state is JobState.STOPPED:
+            self.segments += 1  # the operator continued a stopped job
+            self.ended_ts = None
         self.state = e.to
         if e.to is JobState.RECOVERING:
             self.recovery_delay_s = e.delay_s

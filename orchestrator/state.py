@@ -12,7 +12,9 @@ Lifecycle of one job::
 
 plus STOPPED, reached from any live state when the operator stops the job: an operator's
 stop is not a failure and must not page anybody as one (DESIGN's diagram has no such state;
-booking a requested stop as FAILED would be a lie in every dashboard).
+booking a requested stop as FAILED would be a lie in every dashboard). A STOPPED job is
+terminal until the operator continues it (``up --resume``): STOPPED -> PENDING starts a new
+segment of the same job, from its newest checkpoint, with the books continuing.
 
 Every move goes through ``transition()``, which rejects illegal moves.
 """
@@ -56,7 +58,8 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.RECOVERING: frozenset({JobState.HEALTH_CHECK, JobState.FAILED, JobState.STOPPED}),
     JobState.COMPLETED: frozenset(),
     JobState.FAILED: frozenset(),
-    JobState.STOPPED: frozenset(),
+    # Only by the operator's `up --resume`: the job goes on as a new segment.
+    JobState.STOPPED: frozenset({JobState.PENDING}),
 }
 
 

@@ -63,7 +63,7 @@ class ModelConfig(_Section):
         validated: the directory must be on shared storage or on every machine)."""
         if not isinstance(data, dict) or not data.get("init_from_hf"):
             return data
-        from trainer.hf import CONFIG, args_from_hf_config
+        from trainer.hf_config import CONFIG, args_from_hf_config
 
         path = Path(str(data["init_from_hf"])).expanduser() / CONFIG
         try:

@@ -7,21 +7,47 @@ from typing import Annotated
 
 import typer
 
+# -h and --help on every command (click hands the names down to each subcommand's context).
+_CONTEXT = {"help_option_names": ["-h", "--help"]}
+
 app = typer.Typer(
     name="orchestrator",
     help="Fault-tolerant training orchestrator: keeps training productive through crashes, "
          "hangs, lost nodes and divergence.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
+    context_settings=_CONTEXT,
 )
-data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
+data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True,
+                       context_settings=_CONTEXT)
 app.add_typer(data_app, name="data")
-stability_app = typer.Typer(help="Training-stability detectors.", no_args_is_help=True)
+stability_app = typer.Typer(help="Training-stability detectors.", no_args_is_help=True,
+                            context_settings=_CONTEXT)
 app.add_typer(stability_app, name="stability")
 ckpt_app = typer.Typer(help="List, verify and prune checkpoints (paths or s3:// URLs).",
-                       no_args_is_help=True)
+                       no_args_is_help=True, context_settings=_CONTEXT)
 app.add_typer(ckpt_app, name="checkpoints")
+config_app = typer.Typer(help="Show the config: resolved values with descriptions and "
+                              "defaults, or the JSON schema.", no_args_is_help=True,
+                         context_settings=_CONTEXT)
+app.add_typer(config_app, name="config")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from orchestrator.cli.configdoc import package_version
+
+        typer.echo(f"orchestrator {package_version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True,
+        help="Print the version and exit.")] = False) -> None:
+    """Fault-tolerant training orchestrator: keeps training productive through crashes, hangs,
+    lost nodes and divergence."""
 
 ConfigArg = Annotated[Path | None, typer.Argument(
     help="Config YAML (default: the embedded configs/local.yaml).", show_default=False)]
@@ -41,34 +67,110 @@ def up(
         help="Restart the supervisor of an existing run (its agents keep training).")] = None,
     chaos_kill_at: Annotated[list[int] | None, typer.Option(
         help="SIGKILL a random rank once it reaches this step (repeatable).")] = None,
+    log_format: Annotated[str, typer.Option(
+        help="auto (a live progress line on a terminal, key=value lines otherwise), rich, "
+             "plain, or json (log lines as JSON on stdout, for systemd and Kubernetes). The "
+             "JSON log is always in RUN_DIR/supervisor.log.")] = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Errors and the summary only.")]
+    = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every log line too.")]
+    = False,
 ) -> None:
-    """Start the supervisor in the foreground and run the job to completion."""
+    """Start the supervisor and run the job to completion; exit 0 only when it completed.
+
+    `--resume RUN_DIR` continues a stopped job, or restarts the supervisor of a running one
+    (its agents keep training). In a terminal a live progress line shows the step, loss,
+    tokens/s, goodput, ETA and checkpoint age."""
+    from orchestrator.cli.live import LogFormat, Verbosity
     from orchestrator.cli.up import run_up
 
+    try:
+        fmt = LogFormat(log_format)
+    except ValueError:
+        raise typer.BadParameter("must be auto, rich, plain or json",
+                                 param_hint="--log-format") from None
+    if quiet and verbose:
+        raise typer.BadParameter("--quiet and --verbose exclude each other")
+    verbosity = Verbosity.QUIET if quiet else Verbosity.VERBOSE if verbose else Verbosity.NORMAL
     raise typer.Exit(run_up(config, run_dir, overrides or [], detach=detach, resume=resume,
-                            chaos_kill_at=chaos_kill_at or []))
+                            chaos_kill_at=chaos_kill_at or [], log_format=fmt,
+                            verbosity=verbosity))
 
 
 @app.command()
 def status(
     run_dir: RunDirArg = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    watch: Annotated[bool, typer.Option(
+        "--watch", "-w", help="Redraw every --interval seconds until the job ends.")] = False,
+    interval: Annotated[float, typer.Option(min=0.2, help="Seconds between redraws.")] = 2.0,
 ) -> None:
-    """Show a job's state, progress, restarts and checkpoints (live or after the run)."""
+    """Show a job's state, progress, restarts, checkpoints and supervisor (live or after).
+
+    Without RUN_DIR: runs/latest, the newest run started (with or without --run-dir)."""
     from orchestrator.cli.views import show_status
 
-    raise typer.Exit(show_status(run_dir, json_out))
+    raise typer.Exit(show_status(run_dir, json_out, watch=watch, interval=interval))
 
 
 @app.command()
 def down(
     run_dir: RunDirArg = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the stop.")] = 120.0,
+    checkpoint: Annotated[bool, typer.Option(
+        "--checkpoint/--no-checkpoint",
+        help="Ask the ranks to commit a checkpoint at the next step boundary before they "
+             "stop (default), or stop at once.")] = True,
 ) -> None:
-    """Ask a running job's supervisor to stop the job (cause: operator)."""
+    """Stop a running job (cause operator, final state STOPPED) after a final checkpoint.
+
+    Continue it later with `orchestrator up --resume RUN_DIR`."""
     from orchestrator.cli.control import stop_job
 
-    raise typer.Exit(stop_job(run_dir, timeout))
+    raise typer.Exit(stop_job(run_dir, timeout, checkpoint=checkpoint))
+
+
+@app.command()
+def logs(
+    run_dir: RunDirArg = None,
+    rank: Annotated[list[int] | None, typer.Option(
+        "--rank", "-r", min=0, help="This rank's log (repeatable; default: rank 0).")] = None,
+    all_ranks: Annotated[bool, typer.Option("--all", "-a", help="Every rank's log.")] = False,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="Keep printing new lines, across restarts, until the job ends.")]
+    = False,
+    since: Annotated[str | None, typer.Option(
+        help="Only generations started since then: a duration (10m, 2h) or a local time "
+             "(2026-11-22 18:07).", show_default=False)] = None,
+) -> None:
+    """The ranks' output (every generation), each line prefixed \\[rankN]: like torchrun."""
+    from orchestrator.cli.control import show_rank_logs
+
+    if rank and all_ranks:
+        raise typer.BadParameter("--rank and --all exclude each other")
+    raise typer.Exit(show_rank_logs(run_dir, None if all_ranks else (rank or [0]), follow,
+                                    since))
+
+
+@config_app.command("show")
+def config_show(
+    config: ConfigArg = None,
+    overrides: SetOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="The resolved values as JSON.")]
+    = False,
+) -> None:
+    """The resolved config as YAML, each field with its description and default."""
+    from orchestrator.cli.configdoc import show_config
+
+    raise typer.Exit(show_config(config, overrides or [], json_out))
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """The config's JSON schema (point your editor's YAML validation at it)."""
+    from orchestrator.cli.configdoc import print_schema
+
+    raise typer.Exit(print_schema())
 
 
 @app.command()
@@ -92,8 +194,9 @@ def health(
         help="Run directory for the journal and logs (default: runs/health-<job>-<time>).")]
     = None,
 ) -> None:
-    """Run the cluster health checks now: start agents, check every node, print a table;
-    exit 1 if a fatal check failed."""
+    """Run the cluster health checks now and print a table; exit 1 if a fatal check failed.
+
+    Starts agents with the configured launcher and checks every node."""
     from orchestrator.cli.health import run_health
     from orchestrator.health.base import Level
 
@@ -204,7 +307,9 @@ def export(
     checkpoint: Annotated[str, typer.Option(
         help="Checkpoint: a step directory, or a job root (its newest verified one).")],
     to_hf: Annotated[Path, typer.Option(help="Directory for the Hugging Face Llama files.")],
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, as configs spell them).")]
+    = "float32",
     tokenizer: Annotated[str | None, typer.Option(
         help="tokenizer.json to include (default: the one the checkpoint was trained "
              "with, when it is a file).")] = None,
@@ -212,9 +317,10 @@ def export(
 ) -> None:
     """Write a checkpoint's weights as a Llama-format directory (config.json, safetensors)."""
     from orchestrator.cli.checkpoints import export_hf, use_endpoint
+    from orchestrator.cli.configdoc import canonical_dtype
 
     use_endpoint(endpoint_url)
-    raise typer.Exit(export_hf(checkpoint, to_hf, dtype, tokenizer))
+    raise typer.Exit(export_hf(checkpoint, to_hf, canonical_dtype(dtype), tokenizer))
 
 
 def main() -> None:

@@ -12,10 +12,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+from orchestrator.cli.liveness import check as supervisor_liveness
+from orchestrator.cli.liveness import resume_command
 from orchestrator.rundir import RunDir
+from orchestrator.state import JobState
 from orchestrator.status import load_view
 
 console = Console(stderr=True)
+_TERMINAL = frozenset(s.value for s in JobState if s.terminal)
 
 
 def resolve_run_dir(run_dir: Path | None) -> RunDir:
@@ -23,7 +27,13 @@ def resolve_run_dir(run_dir: Path | None) -> RunDir:
     return RunDir.open(run_dir if run_dir is not None else Path("runs") / "latest")
 
 
-def stop_job(run_dir: Path | None, timeout: float) -> int:
+def stop_request_body(checkpoint: bool) -> dict[str, object]:
+    """What ``down`` POSTs to ``/v1/stop``: the reason, and whether the ranks should commit a
+    checkpoint at the next step boundary before they stop (``--no-checkpoint``: false)."""
+    return {"reason": "orchestrator down", "checkpoint": checkpoint}
+
+
+def stop_job(run_dir: Path | None, timeout: float, checkpoint: bool = True) -> int:
     try:
         run = resolve_run_dir(run_dir)
     except FileNotFoundError as exc:
@@ -33,12 +43,14 @@ def stop_job(run_dir: Path | None, timeout: float) -> int:
     if view.state.terminal:
         console.print(f"job already ended: {view.state.value}")
         return 0
-    info = run.read_supervisor_info()
-    if not info:
-        console.print("[red]error[/red] no supervisor.json: is the supervisor running?")
+    alive = supervisor_liveness(run)
+    if not alive.api_ok:
+        console.print(f"[red]error[/red] the supervisor is {alive.describe()}; the job "
+                      f"({view.state.value} in the journal) has nobody to stop it.\n"
+                      f"resume it: {resume_command(run)}")
         return 1
-    url = f"http://127.0.0.1:{info['port']}/v1/stop"
-    req = urllib.request.Request(url, data=json.dumps({"reason": "orchestrator down"}).encode(),
+    url = f"{alive.api_url}/v1/stop"
+    req = urllib.request.Request(url, data=json.dumps(stop_request_body(checkpoint)).encode(),
                                  method="POST", headers={
                                      "Authorization": f"Bearer {run.ensure_token()}",
                                      "Content-Type": "application/json"})
@@ -46,18 +58,48 @@ def stop_job(run_dir: Path | None, timeout: float) -> int:
         with urllib.request.urlopen(req, timeout=10) as resp:
             resp.read()
     except (urllib.error.URLError, OSError) as exc:
-        console.print(f"[red]error[/red] the supervisor at {url} did not answer: {exc}")
+        console.print(f"[red]error[/red] the supervisor at {url} did not answer: {exc}\n"
+                      f"if it is gone, resume it: {resume_command(run)}")
         return 1
     deadline = time.monotonic() + timeout
-    with console.status("stopping the job..."):
+    with console.status("stopping the job (a final checkpoint first)..." if checkpoint
+                        else "stopping the job..."):
         while time.monotonic() < deadline:
             view = load_view(run)
             if view.state.terminal:
-                console.print(f"job {view.job}: {view.state.value}")
+                ckpt = view.newest_checkpoint_step
+                console.print(f"job {view.job}: {view.state.value} at step {view.last_step}"
+                              f" (newest checkpoint {ckpt if ckpt is not None else 'none'})"
+                              + (f"; continue it: orchestrator up --resume {run.root}"
+                                 if view.state.value == "STOPPED" else ""))
                 return 0
             time.sleep(0.5)
     console.print(f"[yellow]still {load_view(run).state.value} after {timeout:.0f} s[/yellow]")
     return 1
+
+
+def show_rank_logs(run_dir: Path | None, ranks: list[int] | None, follow: bool,
+                   since: str | None) -> int:
+    """``orchestrator logs``: the selected ranks' lines, following until the job ends."""
+    from datetime import datetime
+
+    from orchestrator.cli.ranklogs import parse_since, show_logs
+
+    try:
+        run = resolve_run_dir(run_dir)
+        since_dt = parse_since(since, datetime.now()) if since else None
+    except (FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error[/red] {exc}")
+        return 2
+    from orchestrator.console import JobFollower
+
+    journal = JobFollower(run.root)  # reads only what the journal gained since the last poll
+
+    def job_ended() -> bool:
+        journal.poll()
+        return journal.progress.state in _TERMINAL
+
+    return show_logs(run.logs, ranks, since_dt, follow, job_ended=job_ended)
 
 
 def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,

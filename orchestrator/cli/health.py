@@ -38,10 +38,16 @@ def run_health(config: Path | None, overrides: list[str], level: Level | None,
     # A health run must not take a running job's port or its Prometheus target.
     cfg.metrics.port, cfg.metrics.targets_file = 0, None
     chosen = level or cfg.health.level(cfg.health.preflight) or Level.FULL
-    run = _run_dir(cfg, run_dir)
-    from orchestrator.logs import configure_logging
+    try:
+        run = _run_dir(cfg, run_dir)
+        from orchestrator.logs import configure_logging
 
-    configure_logging(run.log, component="supervisor", console=False)
+        configure_logging(run.log, component="supervisor", console=False)
+    except OSError as exc:
+        err.print(f"[red]error[/red] cannot write the health run directory "
+                  f"({exc.filename or run_dir}: {exc.strerror or exc}); run from a writable "
+                  "directory, or pass --run-dir DIR (or --set job.run_root=DIR)")
+        return 2
     start = time.monotonic()
     with err.status(f"health checks ({chosen.value}) on {cfg.cluster.nodes + cfg.cluster.spares}"
                     f" node(s) via {cfg.launcher.kind}..."):
@@ -55,11 +61,23 @@ def run_health(config: Path | None, overrides: list[str], level: Level | None,
         skipped = skipped_summary(results)
         if skipped:
             out.print(f"[dim]not applicable here: {skipped}[/dim]")
-        verdict = "[green]healthy[/green]" if report["ok"] else "[red]fatal failures[/red]"
-        out.print(f"{verdict}: {len(report['nodes'])} node(s), "
-                  f"{sum(not r['ok'] for r in results)} failed check(s), "
-                  f"{report['seconds']:.1f} s; journal: {run.journal}")
+        out.print(f"{verdict_line(report)}; journal: {run.journal}")
     return 0 if report["ok"] else 1
+
+
+def verdict_line(report: dict[str, Any]) -> str:
+    """``fatal failures: 1 of 3 node(s) failed (local-1), 2 failed check(s), 4.1 s``."""
+    nodes = report["nodes"]
+    bad = sorted((n for n, v in nodes.items() if not v["ok"]), key=_node_key)
+    checks = sum(len(v["fatal"]) + len(v["warn"]) for v in nodes.values())
+    if report["ok"]:
+        head = f"[green]healthy[/green]: {len(nodes)} node(s) passed"
+    elif not nodes:
+        head = "[red]no node answered[/red]"
+    else:
+        head = (f"[red]fatal failures[/red]: {len(bad)} of {len(nodes)} node(s) failed "
+                f"({', '.join(bad)})")
+    return f"{head}, {checks} failed check(s), {report['seconds']:.1f} s"
 
 
 def _run_dir(cfg: Config, run_dir: Path | None) -> RunDir:

@@ -14,7 +14,9 @@ their names. Non-finite figures are the strings "nan", "inf", "-inf".
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -111,6 +113,9 @@ def run_replay(records: Path, config: Path | None, overrides: list[str],
             for event in replay_lines(f, cfg, lineage=lineage):
                 out.write(json.dumps(event, allow_nan=False) + "\n")
                 count += 1
+    except BrokenPipeError:  # `| head` has read enough: stop quietly, as cat does
+        _silence(out)
+        return 0
     except OSError as exc:
         print(f"error: {records}: {exc.strerror or exc}", file=err)
         return 2
@@ -122,6 +127,16 @@ def run_replay(records: Path, config: Path | None, overrides: list[str],
           f"grad-norm spike(s), longest {s['longest_spike'] or 0} step(s), growth ratio "
           f"{_fmt(s['growth_ratio'])}", file=err)
     return 0
+
+
+def _silence(out: TextIO) -> None:
+    """Point ``out``'s descriptor at /dev/null so the interpreter's final flush of the closed
+    pipe does not print "Broken pipe" either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real descriptor (a test's StringIO): nothing will flush it
 
 
 def _fmt(value: Any) -> str:

@@ -8,8 +8,12 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from orchestrator.cli.liveness import Liveness, resume_command
+from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.rundir import RunDir
+from orchestrator.state import JobState
 from orchestrator.status import build_status, load_view
 from orchestrator.summary import build_summary
 
@@ -72,59 +76,142 @@ def books_table(books: dict) -> Table:
     return t
 
 
-def show_status(run_dir: Path | None, json_out: bool) -> int:
+def _load_status(run_dir: Path | None, use_api: bool = True) -> tuple[dict, Liveness]:
+    """The status of ``run_dir`` (default ``runs/latest``, resolved anew each call): the live
+    API's when the supervisor answers (it knows the nodes' silence), else the journal's.
+    ``--watch`` reads the run directory itself: a redraw every few seconds must not make the
+    supervisor's event loop fold the whole run each time."""
     from orchestrator.cli.control import resolve_run_dir
 
+    run = resolve_run_dir(run_dir)
+    alive = supervisor_liveness(run)
+    status = _api_status(run, alive.api_url) if use_api and alive.api_ok and alive.api_url \
+        else None
+    if status is None:
+        status = build_status(load_view(run), run)
+    return status, alive
+
+
+def _api_status(run: RunDir, url: str) -> dict | None:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/v1/status", headers={
+        "Authorization": f"Bearer {run.ensure_token()}"})
     try:
-        run = resolve_run_dir(run_dir)
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            data = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    needed = ("job", "state", "last_step", "total_steps", "books", "nodes", "stability")
+    if not isinstance(data, dict) or not all(k in data for k in needed):
+        return None
+    try:
+        JobState(data["state"])
+    except ValueError:
+        return None
+    return data
+
+
+def show_status(run_dir: Path | None, json_out: bool, watch: bool = False,
+                interval: float = 2.0) -> int:
+    try:
+        status, alive = _load_status(run_dir, use_api=not watch)
     except FileNotFoundError as exc:
         err.print(f"[red]error[/red] {exc}")
         return 2
-    status = build_status(load_view(run), run)
     if json_out:
+        status["supervisor"] = {"running": alive.running, "pid": alive.pid,
+                                "api": alive.api_url if alive.api_ok else None,
+                                "detail": alive.describe()}
         print(json.dumps(status, indent=2, default=str))
         return 0
+    if not watch:
+        for part in status_renderables(status, alive):
+            out.print(part)
+        return 0
+    return _watch(run_dir, status, alive, interval)
+
+
+def _watch(run_dir: Path | None, status: dict, alive: Liveness, interval: float) -> int:
+    """Redraw the status every ``interval`` s until the job ends (or Ctrl-C)."""
+    from rich.console import Group
+    from rich.live import Live
+
+    try:
+        with Live(Group(*status_renderables(status, alive, compact=True)), console=out,
+                  auto_refresh=False, vertical_overflow="visible") as live:
+            while not JobState(status["state"]).terminal:
+                time.sleep(interval)
+                try:
+                    status, alive = _load_status(run_dir, use_api=False)
+                except FileNotFoundError:
+                    continue  # runs/latest is being replaced by a new run
+                live.update(Group(*status_renderables(status, alive, compact=True)),
+                            refresh=True)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> list:
+    """The status as rich tables; ``compact`` (for --watch) leaves out the stability and books
+    detail tables."""
+    parts: list = []
     table = Table(title=f"job {status['job']}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     table.add_row("state", status["state"])
-    table.add_row("step", f"{status['last_step']} / {status['total_steps']}")
+    total = status["total_steps"]
+    pct = f" ({status['last_step'] / total:.0%})" if total else ""
+    table.add_row("step", f"{status['last_step']} / {total}{pct}")
     table.add_row("loss", "-" if status["loss"] is None else f"{status['loss']:.4f}")
     table.add_row("generation", str(status["generation"]))
+    table.add_row("goodput", f"{status['books']['goodput']:.1%}")
     table.add_row("wall time", _fmt_s(status["wall_time_s"]))
+    terminal = JobState(status["state"]).terminal
+    if not terminal or alive.running:
+        table.add_row("supervisor", alive.describe())
+    if not terminal and not alive.running:
+        table.add_row("resume with", resume_command(RunDir(Path(status["run_dir"]))),
+                      style="yellow")
+    if status["state"] == JobState.STOPPED.value and not alive.running:
+        table.add_row("continue with", f"orchestrator up --resume {status['run_dir']}")
     table.add_row("run dir", status["run_dir"])
-    out.print(table)
+    parts.append(table)
     if status["restarts"] or status["failures"]:
         t = Table(title="failures", title_justify="left")
         for col in ("generation", "cause", "rank", "node", "detail"):
             t.add_column(col)
-        for f in status["failures"]:
+        for f in status["failures"][-5 if compact else None:]:
             t.add_row(str(f["generation"]), f["cause"], str(f["rank"]), str(f["node_id"]),
                       f["message"] or "")
-        out.print(t)
-    if status["root_cause"] and status["state"] in ("FAILED",):
-        out.print("[bold]last log lines of the root cause:[/bold]")
+        parts.append(t)
+    if status["root_cause"] and status["state"] in ("FAILED",) and not compact:
+        parts.append(Text("last log lines of the root cause:", style="bold"))
         for line in status["root_cause"]["log_tail"][-10:]:
-            out.print(f"  {line}", markup=False, highlight=False)
-    _print_stability(status["stability"])
+            parts.append(Text(f"  {line}"))
+    if not compact:
+        parts.append(_stability_table(status["stability"]))
     if status["checkpoints"]:
         t = Table(title="checkpoints", title_justify="left")
         t.add_column("step", justify="right")
         t.add_column("tier")
         t.add_column("age")
         t.add_column("path")
-        for c in status["checkpoints"]:
+        for c in status["checkpoints"][-3 if compact else None:]:
             t.add_row(str(c["step"]), c["tier"], _fmt_s(time.time() - (c["ts"] or time.time())),
                       "\n".join(str(p) for p in c["paths"].values()))
-        out.print(t)
-    out.print(books_table(status["books"]))
+        parts.append(t)
+    if not compact:
+        parts.append(books_table(status["books"]))
     t = Table(title="nodes", title_justify="left")
     for col in ("node", "state", "node rank", "host"):
         t.add_column(col)
     for node_id, n in sorted(status["nodes"].items()):
-        t.add_row(node_id, n["state"], str(n.get("node_rank")), n.get("host", ""))
-    out.print(t)
-    return 0
+        t.add_row(node_id, str(n.get("state")), str(n.get("node_rank")), str(n.get("host", "")))
+    parts.append(t)
+    return parts
 
 
 def _num(value: object, fmt: str = ".4g") -> str:
@@ -133,7 +220,7 @@ def _num(value: object, fmt: str = ".4g") -> str:
     return format(value, fmt) if isinstance(value, int | float) else str(value)
 
 
-def _print_stability(st: dict) -> None:
+def _stability_table(st: dict) -> Table:
     """The stability picture: grad norm against r, spikes and their lengths, growth, rollbacks."""
     t = Table(title="stability", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -158,7 +245,7 @@ def _print_stability(st: dict) -> None:
                     if r["skip_window"] else "")
                  + f", LR x{_num(r['lr_scale_total'], '.3g')}" for r in st["rollbacks"]]
     t.add_row("rollbacks", "\n".join(rollbacks) or "none")
-    out.print(t)
+    return t
 
 
 def validate_config(config: Path, overrides: list[str]) -> int:

@@ -147,6 +147,11 @@ class TimeoutsConfig(Section):
     stop_grace_s: float = Field(
         10, gt=0, description="SIGTERM to SIGKILL grace when stopping ranks."
     )
+    stop_checkpoint_s: float = Field(
+        300, ge=0, description="An operator's stop (down, SIGTERM) first asks the ranks for "
+        "a checkpoint at their next step boundary and waits this long for it (0: no final "
+        "checkpoint)."
+    )
     heartbeat_interval_s: float = Field(
         0.5, gt=0, description="How often ranks and agents send heartbeats."
     )

@@ -86,6 +86,7 @@ class Supervisor:
         self.launcher = launcher or build_launcher(cfg, self.record)
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
+        self.stop_checkpoint = True
         self.nodes = NodeRegistry(clock, self.record, self.metrics.set_nodes)
         self.stability = StabilityHook(self.ctx)
         self.health = HealthCoordinator(self.ctx, self.nodes, self.stop_requested)
@@ -120,8 +121,13 @@ class Supervisor:
                       cause=cause.value if cause else None, reason=reason,
                       generation=self.view.generation)
 
-    def request_stop(self, reason: str = "operator") -> None:
-        self.stop_reason = reason
+    def request_stop(self, reason: str = "operator", checkpoint: bool = True) -> None:
+        """Stop the job (the API's /v1/stop, SIGTERM, Ctrl-C). With ``checkpoint``, ranks
+        of the built-in trainer first save at their next step boundary (bounded by
+        ``timeouts.stop_checkpoint_s``), so `up --resume` loses nothing."""
+        if not self.stop_requested.is_set():
+            self.stop_reason = reason[:500]
+            self.stop_checkpoint = checkpoint
         self.stop_requested.set()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -152,6 +158,11 @@ class Supervisor:
                                  reasons=self.journal_skipped.reasons[:5])
             self.record(ev.SupervisorStarted(pid=os.getpid(), url=self.url,
                                              resumed=self.resumed, gap_s=gap), durable=True)
+            if self.resumed and self.view.state is JobState.STOPPED:
+                # The operator continues a stopped job: a new segment, fresh agents, from
+                # the newest checkpoint; the books leave the stopped time out.
+                self.transition(JobState.PENDING, reason="continued by the operator "
+                                "(up --resume)")
             if not self.view.state.terminal:
                 await self._drive()
         finally:
@@ -222,15 +233,21 @@ class Supervisor:
             return None
         if state in (JobState.LAUNCHING, JobState.RUNNING):
             return Next(JobState.STOPPING, cause=Cause.OPERATOR,
-                        carry=Outcome(Cause.OPERATOR, {"reason": self.stop_reason}))
+                        carry=Outcome(Cause.OPERATOR, {
+                            "reason": self.stop_reason,
+                            "checkpoint": self.stop_checkpoint and state is JobState.RUNNING}))
         if state is JobState.STOPPING:
             return None  # the stop under way finishes first, then STOPPED
         return Next(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
 
     async def launcher_start(self) -> None:
         """Get one agent per node started (or adopt those a dead supervisor started)."""
-        spawned = {env.event.node_id: env.event.pid for env in read_journal(self.rundir.journal)
-                   if isinstance(env.event, ev.AgentSpawned)}
+        spawned: dict[str, int] = {}
+        for env in read_journal(self.rundir.journal):
+            if isinstance(env.event, ev.AgentSpawned):
+                spawned[env.event.node_id] = env.event.pid
+            elif isinstance(env.event, ev.Transition) and env.event.to is JobState.PENDING:
+                spawned = {}  # a continued job's agents were told to exit: start anew
         if spawned:
             await self.launcher.adopt(self.agent_spec(), spawned)
         else:
@@ -275,9 +292,13 @@ class Supervisor:
             outcome = await self.parts.adopt(generation) or outcome
         if outcome.cause is Cause.HANG:
             outcome.detail["stacks"] = await self.parts.dump_stacks(generation)
+        saved = None
+        if outcome.cause is Cause.OPERATOR and outcome.detail.get("checkpoint"):
+            saved = await self.parts.final_checkpoint(generation)
         await self.parts.stop(generation)
         if outcome.cause is Cause.OPERATOR:
-            return Next(JobState.STOPPED, cause=Cause.OPERATOR, reason=self.stop_reason)
+            return Next(JobState.STOPPED, cause=Cause.OPERATOR,
+                        reason=self.stop_reason + (f"; {saved}" if saved else ""))
         outcome = self._explain_by_lost_node(outcome)
         failure = self.intake.root_cause(generation, outcome.cause, outcome.detail)
         self.record(ev.Failure(**failure), durable=True)

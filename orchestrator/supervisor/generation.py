@@ -24,6 +24,9 @@ from orchestrator.supervisor.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.stability import StabilityHook
 
+# The signal that asks a rank of the built-in trainer for a checkpoint at its next step
+# boundary (orchestrator.worker installs the handler).
+CHECKPOINT_SIGNAL = "SIGUSR2"
 # How often the observe loop wakes without news, to check silences and timeouts.
 TICK_S = 0.2
 # The agents confirm a stop within the ranks' grace; this much more covers the round trips.
@@ -120,16 +123,21 @@ class GenerationParts:
         }
 
     # -- observe -----------------------------------------------------------------------------
-    async def observe(self, generation: int, *, adopting: bool = False) -> Outcome | None:
+    async def observe(self, generation: int, *, adopting: bool = False,
+                      within_s: float | None = None) -> Outcome | None:
         """LAUNCHING/RUNNING: observe until the generation completes (None) or fails.
 
         Moves LAUNCHING -> RUNNING once every rank has started. An operator's stop ends the
-        observation with an ``operator`` outcome."""
+        observation with an ``operator`` outcome, unless ``within_s`` bounds it instead (the
+        ranks' final checkpoint after a stop): then TimeoutError when it runs out."""
         intake, clock = self.intake, self.ctx.clock
         launch_deadline = clock.monotonic() + self.cfg.timeouts.launch_s
+        end = None if within_s is None else clock.monotonic() + within_s
         while True:
-            if self.stop_requested.is_set():
+            if end is None and self.stop_requested.is_set():
                 return Outcome(Cause.OPERATOR, {})
+            if end is not None and clock.monotonic() > end:
+                raise TimeoutError
             try:
                 obs: Observation | None = await clock.wait_for(intake.queue.get(), TICK_S)
             except TimeoutError:
@@ -180,6 +188,36 @@ class GenerationParts:
         return None
 
     # -- stop --------------------------------------------------------------------------------
+    async def final_checkpoint(self, generation: int) -> str:
+        """An operator's stop: ask every rank for a checkpoint at its next step boundary
+        (SIGUSR2; the ranks agree on the step and exit once it is committed) and wait for
+        them, bounded by ``timeouts.stop_checkpoint_s``. Returns what happened, in words."""
+        limit = self.cfg.timeouts.stop_checkpoint_s
+        if limit <= 0:
+            return "no final checkpoint (timeouts.stop_checkpoint_s is 0)"
+        if self.cfg.job.entrypoint:
+            # A script of the user's own has no handler for the request: SIGUSR2 would
+            # end it. It saves on its own schedule.
+            return "no final checkpoint (job.entrypoint is a script of your own)"
+        before = self.ctx.view.newest_checkpoint_step
+        for node in self.nodes.active():
+            if node.node_rank is None or node.state is not NodeState.ACTIVE:
+                continue
+            for rank in sorted(node.ranks) or range(
+                    node.node_rank * self.cfg.cluster.procs_per_node,
+                    (node.node_rank + 1) * self.cfg.cluster.procs_per_node):
+                await self.nodes.send_signal(node.node_id, rank, CHECKPOINT_SIGNAL)
+        self.ctx.log.info("stop: asked the ranks for a final checkpoint", within_s=limit)
+        try:
+            outcome = await self.observe(generation, within_s=limit)
+        except TimeoutError:
+            return f"no final checkpoint within {limit:.0f} s"
+        newest = self.ctx.view.newest_checkpoint_step
+        if outcome is not None or newest == before or newest is None:
+            why = f" ({outcome.cause.value})" if outcome is not None else ""
+            return f"no final checkpoint{why}; the newest is step {newest}"
+        return f"final checkpoint at step {newest}"
+
     async def dump_stacks(self, generation: int) -> list[str]:
         """Every rank writes its Python stacks (faulthandler on SIGUSR1) before the kill.
 

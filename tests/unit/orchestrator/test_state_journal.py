@@ -28,9 +28,12 @@ def test_illegal_moves_raise(a: str, b: str) -> None:
         check_transition(JobState(a), JobState(b))
 
 
-def test_terminal_states_have_no_way_out() -> None:
+def test_terminal_states_have_no_way_out_but_a_stopped_job_continued() -> None:
     for s in JobState:
-        assert (not ALLOWED[s]) == s.terminal
+        if s is JobState.STOPPED:
+            assert ALLOWED[s] == {JobState.PENDING}  # up --resume: a new segment
+        else:
+            assert (not ALLOWED[s]) == s.terminal
 
 
 def test_journal_appends_durably_and_survives_a_torn_line(tmp_path: Path) -> None:
