@@ -249,6 +249,15 @@ class EventBatch(Inbound):
     events: list[AgentEvent] = Field(max_length=10_000)
 
 
+class StopRequest(Inbound):
+    """The operator's ``/v1/stop`` (``orchestrator down``): why, and whether the ranks commit
+    a checkpoint at their next step boundary before they stop."""
+
+    reason: Annotated[str, StringConstraints(max_length=200,
+                                             pattern=r"^[^\x00-\x1f\x7f]*$")] = "operator"
+    checkpoint: bool = True
+
+
 class SignalOrder(Message):
     """Send ``signal`` to a rank once (chaos kills, stack dumps)."""
 
@@ -293,4 +302,4 @@ class Assignment(Message):
 __all__ = ["PHASES", "AgentEvent", "Assignment", "EventBatch", "FiniteFloat", "HealthOrder",
            "HealthReport", "HealthResult", "Heartbeat", "Inbound", "Message", "NodeId", "Phase",
            "RankExit", "RankInfo", "RanksStarted", "RanksStopped", "RegisterRequest",
-           "RegisterResponse", "SignalOrder", "StepRecord", "WorkerEvent", "keep_valid_records"]
+           "RegisterResponse", "SignalOrder", "StepRecord", "StopRequest", "WorkerEvent", "keep_valid_records"]

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.auth import Principal, authenticate, bearer_of
-from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest
+from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest, StopRequest
 from orchestrator.state import NodeState
 from orchestrator.supervisor import admission
 from orchestrator.supervisor.intake import UnknownNode
@@ -49,7 +49,7 @@ class SupervisorApi(Protocol):
     @property
     def view(self) -> JobView: ...
 
-    def request_stop(self, reason: str = "operator") -> None: ...
+    def request_stop(self, reason: str = "operator", checkpoint: bool = True) -> None: ...
 
 
 # An agent's long-poll waits at most this long for a new assignment, then asks again.
@@ -231,15 +231,9 @@ class ApiServer:
         return web.json_response(a.model_dump(mode="json") if a else {})
 
     async def stop_job(self, request: web.Request) -> web.Response:
-        reason = "operator"
-        if request.can_read_body:
-            try:
-                body = json.loads(await request.read())
-                raw = body.get("reason", reason)
-            except (json.JSONDecodeError, AttributeError, UnicodeDecodeError, RecursionError):
-                return _error(400, "body must be a JSON object")
-            reason = "".join(c for c in str(raw)[:200] if c.isprintable())
-        self.sup.request_stop(reason)
+        body = await request.read()
+        stop = StopRequest() if not body.strip() else await self._parse(request, StopRequest)
+        self.sup.request_stop(stop.reason, checkpoint=stop.checkpoint)
         return web.json_response({"stopping": True, "state": self.sup.view.state.value})
 
     async def status(self, request: web.Request) -> web.Response:

@@ -203,3 +203,14 @@ def test_an_agent_drops_a_bad_step_record_not_the_beat() -> None:
                                         {"step": 6, "s": "x" * 300}])
     assert kept == [good] and dropped == 3
     Heartbeat(node_id="local-0", records=kept)
+
+
+def test_the_operators_stop_request() -> None:
+    from orchestrator.protocol import StopRequest
+
+    stop = StopRequest.model_validate_json(b'{"reason": "orchestrator down", "checkpoint": false}')
+    assert (stop.reason, stop.checkpoint) == ("orchestrator down", False)
+    for bad in (b'{"reason": "\\u001b[2Jgone"}', b'{"reason": "x", "checkpoint": "no"}',
+                b'{"why": "x"}', b'{"reason": "' + b"x" * 201 + b'"}'):
+        with pytest.raises(ValidationError):
+            StopRequest.model_validate_json(bad)
