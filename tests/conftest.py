@@ -4,12 +4,43 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import TAG_VAR, kill_tagged
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Processes started by session- and module-scoped fixtures carry this session's tag and
+    # are killed when the session ends; each test's own processes carry the test's tag.
+    config.stash[_SESSION_TAG] = os.environ[TAG_VAR] = f"s-{uuid.uuid4().hex[:12]}"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tag = config.stash.get(_SESSION_TAG, None)
+    if tag:
+        kill_tagged(tag)
+
+
+_SESSION_TAG = pytest.StashKey[str]()
+
+
+@pytest.fixture(autouse=True)
+def _kill_what_the_test_started(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Whatever the test started dies with it, process groups included, even when the test
+    timed out (pytest-timeout's signal method raises in the test, then teardown runs)."""
+    tag = f"t-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv(TAG_VAR, tag)
+    yield
+    killed = kill_tagged(tag)
+    if killed:
+        print(f"killed {len(killed)} process(es) the test left running: {killed}")
 
 
 @pytest.fixture(scope="session")

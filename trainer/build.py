@@ -32,9 +32,17 @@ def build_loader(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext
     from trainer.data.dataset import ResumableLoader, TokenShards, ensure_dataset
 
     data = settings.trainer.data
-    shards = TokenShards(ensure_dataset(data))
     windows = [tuple(w) for w in data.skip_windows] + list(ctx.skip_windows)
     dp_rank, dp_world = backend.data_parallel(dctx)
+    if data.format == "arrow":
+        from trainer.data.arrow import ArrowLoader, ArrowTexts
+        from trainer.tokenizer import load_tokenizer
+
+        return ArrowLoader(ArrowTexts(data.path, data.text_column),
+                           load_tokenizer(data.tokenizer), data.seq_len, data.micro_batch_size,
+                           data.grad_accum_steps, dp_rank=dp_rank, dp_world=dp_world,
+                           seed=data.seed, skip_windows=windows)
+    shards = TokenShards(ensure_dataset(data))
     return ResumableLoader(shards, data.seq_len, data.micro_batch_size, data.grad_accum_steps,
                            dp_rank=dp_rank, dp_world=dp_world, seed=data.seed,
                            skip_windows=windows)
@@ -90,7 +98,8 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     backend = backend_for(cfg.parallelism.strategy)
     backend.setup(settings, dctx)
     loader = build_loader(settings, dctx, ctx, backend)
-    vocab = loader.shards.tokenizer["vocab_size"]
+    vocab = loader.vocab_size if hasattr(loader, "vocab_size") else \
+        loader.shards.tokenizer["vocab_size"]
     if vocab > resolve_model_args(cfg.model).vocab_size:
         raise ValueError(f"the dataset's tokenizer has {vocab} ids, more than the model's "
                          f"vocab_size {resolve_model_args(cfg.model).vocab_size}")
@@ -100,7 +109,16 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         choice = checkpointer.choose(max_step=ctx.resume_max_step)
         load_s = time.perf_counter() - t0
     model = backend.build_model(settings, dctx)
-    if choice is None and cfg.model.init_from_hf:
+    if cfg.finetune is not None:
+        from trainer.finetune import prepare_base, trainable_counts
+
+        # Every start, resumed or not: checkpoints hold the adapters only.
+        with worker.phase("loading"):
+            prepare_base(model, cfg.finetune, str(cfg.model.init_from_hf))
+        trainable, total = trainable_counts(model)
+        log(f"{cfg.finetune.method}: base from {cfg.model.init_from_hf}, {trainable:,} of "
+            f"{total:,} parameters train (rank {cfg.finetune.rank})")
+    elif choice is None and cfg.model.init_from_hf:
         with worker.phase("loading"):
             backend.load_pretrained(model, cfg.model.init_from_hf)
         log(f"no checkpoint found: starting from the Hugging Face weights in "

@@ -65,12 +65,16 @@ class ModelConfig(_Section):
             return data
         from trainer.hf_config import CONFIG, args_from_hf_config
 
-        path = Path(str(data["init_from_hf"])).expanduser() / CONFIG
+        # A relative path is taken from where the config is validated (the checkout, for
+        # the examples in configs/) and kept absolute, so ranks find it from any directory.
+        root = Path(str(data["init_from_hf"])).expanduser().absolute()
+        path = root / CONFIG
         try:
             hf_args = args_from_hf_config(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise FieldError("init_from_hf", f"cannot use {path}: {exc}") from None
         out = dict(data)
+        out["init_from_hf"] = str(root)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                      "rope_theta", "norm_eps", "max_seq_len"):
             theirs = getattr(hf_args, name)
@@ -98,11 +102,26 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Token shards, the sample order and the batch shape."""
+    """Token shards (or Arrow tables tokenized online), the sample order and the batch shape."""
 
+    format: Literal["shards", "arrow"] = Field(
+        "shards",
+        description=(
+            "shards: prepared token shards (index.json). arrow: Arrow IPC files, or a Hugging "
+            "Face `datasets` directory saved with save_to_disk, memory-mapped and tokenized and "
+            "packed online with data.tokenizer (trainer.data.arrow)."
+        ),
+    )
     path: str = Field(
         "~/.cache/orchestrator/datasets/stdlib-byte",
-        description="Directory or fsspec URL holding prepared token shards (index.json).",
+        description=(
+            "Directory or fsspec URL holding prepared token shards (index.json); with format "
+            "arrow, an .arrow file, a directory of them, or a save_to_disk directory (local or "
+            "s3://)."
+        ),
+    )
+    text_column: str = Field(
+        "text", min_length=1, description="format arrow: the string column to tokenize."
     )
     prepare_from: Literal["stdlib"] | list[str] | None = Field(
         "stdlib",
@@ -132,6 +151,10 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _check_windows(self) -> DataConfig:
+        if self.format == "arrow" and "prepare_from" in self.model_fields_set and \
+                self.prepare_from is not None:
+            raise FieldError("prepare_from", "format arrow reads the Arrow files as they are: "
+                                             "leave prepare_from unset or null")
         for start, end in self.skip_windows:
             if start < 0 or end <= start:
                 raise FieldError(
@@ -173,6 +196,14 @@ class PrecisionConfig(_Section):
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Dtype of gradient reductions."
     )
+    fp8: bool = Field(
+        False,
+        description=(
+            "FP8 matmuls in the transformer blocks' linear layers (torchao float8, dynamic "
+            "tensorwise scaling; FSDP2 all-gathers the weights in float8). Needs CUDA compute "
+            "capability 8.9+ (H100/H200/L40S) and param_dtype bf16; refused elsewhere."
+        ),
+    )
 
 
 class ParallelismConfig(_Section):
@@ -197,6 +228,106 @@ class ParallelismConfig(_Section):
     reshard_after_forward: bool = Field(
         True, description="FSDP2: free gathered parameters after forward (ZeRO-3 style)."
     )
+    offload: Literal["none", "optimizer", "params"] = Field(
+        "none",
+        description=(
+            "CPU offload. fsdp2: params (CPUOffloadPolicy: parameters, gradients and the "
+            "optimizer step live on the CPU). deepspeed: optimizer (ZeRO-Offload: optimizer "
+            "state and step on the CPU, stages 1-3) or params (also the parameters, stage 3)."
+        ),
+    )
+
+
+LORA_TARGETS = ("wqkv", "wo", "w13", "w2")
+
+
+class FinetuneConfig(_Section):
+    """LoRA or QLoRA adapters (peft) on a frozen base loaded from ``model.init_from_hf``.
+
+    Only the adapters train, and only they (with their optimizer state, the schedule, the
+    data position and the RNGs) go into checkpoints: a resume loads the base again from
+    ``model.init_from_hf``. QLoRA keeps the frozen base in NF4 (torchao's ``NF4Tensor``).
+    """
+
+    method: Literal["lora", "qlora"] = Field(
+        ..., description="lora: adapters on the base in its own dtype; qlora: on an NF4 base."
+    )
+    rank: int = Field(8, gt=0, le=4096, description="Rank r of each adapter (A: r x in).")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the update is "
+                                                 "(alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[Literal["wqkv", "wo", "w13", "w2"]] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="Linear layers of each block that get adapters (fused wqkv and w13 "
+                    "included): any of wqkv, wo, w13, w2.")
+    nf4_block_size: int = Field(64, gt=0, description="qlora: values per NF4 scale block.")
+    nf4_scaler_block_size: int = Field(
+        256, gt=0, description="qlora: scale blocks per double-quantised scaler block.")
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> FinetuneConfig:
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise FieldError("target_modules", "names a module twice")
+        return self
+
+
+def check_finetune(cfg: TrainerConfig) -> None:
+    """Fields LoRA/QLoRA cannot honour (raises ``FieldError``)."""
+    ft = cfg.finetune
+    if ft is None:
+        return
+    if cfg.parallelism.strategy not in ("fsdp2", "ddp", "none"):
+        raise FieldError("finetune", f"adapters train with strategy fsdp2, ddp or none, not "
+                                     f"{cfg.parallelism.strategy!r}")
+    if not cfg.model.init_from_hf:
+        raise FieldError("finetune", "fine-tuning needs a base: set model.init_from_hf (the "
+                                     "checkpoints hold the adapters only)")
+    if cfg.precision.fp8:
+        raise FieldError("precision.fp8", "fp8 and LoRA/QLoRA adapters do not combine here: "
+                                          "peft's layers wrap plain linears")
+    if ft.method != "qlora":
+        return
+    if cfg.parallelism.strategy == "fsdp2":
+        raise FieldError("finetune.method", "qlora runs with strategy ddp or none: the NF4 "
+                                            "base is not sharded by FSDP2 here (use lora)")
+    args = resolve_model_args(cfg.model)
+    q = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    shapes = {"wqkv": (q, args.dim), "wo": (args.dim, args.n_heads * args.head_dim),
+              "w13": (2 * args.ffn_dim, args.dim), "w2": (args.dim, args.ffn_dim)}
+    block = ft.nf4_block_size * ft.nf4_scaler_block_size
+    for name in ft.target_modules:
+        rows, cols = shapes[name]
+        if (rows * cols) % block:
+            raise FieldError("finetune.nf4_scaler_block_size",
+                             f"{name} has {rows * cols} values, not a multiple of "
+                             f"nf4_block_size x nf4_scaler_block_size ({block})")
+
+
+def check_memory(cfg: TrainerConfig) -> None:
+    """Offload and FP8 against the strategy and the device (raises ``FieldError``)."""
+    par, prec = cfg.parallelism, cfg.precision
+    if par.offload != "none":
+        if par.strategy == "fsdp2" and par.offload != "params":
+            raise FieldError("parallelism.offload", "FSDP2 offloads parameters, gradients and "
+                                                    "the optimizer step together: use params")
+        if par.strategy == "deepspeed" and par.offload == "params" and par.zero_stage != 3:
+            raise FieldError("parallelism.offload", "DeepSpeed offloads parameters at ZeRO "
+                                                    "stage 3 only (set zero_stage: 3)")
+        if par.strategy == "deepspeed" and par.zero_stage == 0:
+            raise FieldError("parallelism.offload", "ZeRO-Offload needs zero_stage 1-3")
+        if par.strategy not in ("fsdp2", "deepspeed"):
+            raise FieldError("parallelism.offload", f"offload is implemented for fsdp2 and "
+                                                    f"deepspeed, not {par.strategy!r}")
+    if prec.fp8:
+        if cfg.device in ("cpu", "xla"):
+            raise FieldError("precision.fp8", f"FP8 training needs an H100/H200-class CUDA "
+                                              f"GPU; trainer.device is {cfg.device}")
+        if par.strategy not in ("fsdp2", "ddp", "none"):
+            raise FieldError("precision.fp8", f"fp8 is implemented for fsdp2, ddp and none, "
+                                              f"not {par.strategy!r}")
+        if prec.param_dtype != "bf16":
+            raise FieldError("precision.fp8", "fp8 runs the rest of the model in bf16: set "
+                                              "precision.param_dtype: bf16")
 
 
 # Strategies whose optimizer step computes the gradient norm and applies the update in one
@@ -286,10 +417,18 @@ class TrainerConfig(_Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    finetune: FinetuneConfig | None = Field(
+        None, description="LoRA/QLoRA fine-tuning (null: full-parameter training).")
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainerConfig:
         check_strategy(self)
+        check_finetune(self)
+        check_memory(self)
+        if self.data.format == "arrow" and self.parallelism.strategy not in ("fsdp2", "ddp",
+                                                                             "none"):
+            raise FieldError("data.format", f"arrow sources are read by strategies fsdp2, ddp "
+                                            f"and none, not {self.parallelism.strategy!r}")
         if self.schedule.warmup_steps > self.steps:
             raise FieldError(
                 "schedule.warmup_steps",

@@ -206,7 +206,8 @@ def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Pa
     The shape comes from the manifest (``model``), the tokenizer from the manifest unless
     given. Reads only the model's tensors (no optimizer state), on the CPU, no process group:
     DCP checkpoints directly, DeepSpeed ones (``writer: deepspeed``) through DeepSpeed's own
-    consolidation of the ZeRO partitions.
+    consolidation of the ZeRO partitions. A LoRA / QLoRA checkpoint (``finetune`` in the
+    manifest) is exported by ``trainer.hf_adapters.export_adapted`` instead.
     """
     import torch
 
@@ -214,6 +215,9 @@ def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Pa
         raise ValueError(f"{step_url}: the manifest records no model shape (written before "
                          "exports were supported)")
     args = ModelArgs(**manifest["model"])
+    if manifest.get("finetune"):
+        raise ValueError(f"{step_url}: a LoRA/QLoRA checkpoint holds adapters only: export it "
+                         "with trainer.hf_adapters.export_adapted")
     if manifest.get("writer", "dcp") == "deepspeed":
         sd = _deepspeed_weights(step_url)
     elif manifest.get("writer", "dcp") == "dcp":

@@ -223,6 +223,13 @@ class Transformer(nn.Module):
             layer.init_weights(args.init_std, out_std)
         self.norm.reset_parameters()
         nn.init.normal_(self.output.weight, mean=0.0, std=args.init_std)
+        # LoRA adapters (trainer.finetune, peft's layers) draw after the whole base, so adding
+        # them leaves the base weights of a seed unchanged.
+        for module in self.modules():
+            reset = getattr(module, "reset_lora_parameters", None)
+            if reset is not None:
+                for name in module.lora_A:
+                    reset(name, True)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seqlen = tokens.shape[1]

@@ -38,18 +38,28 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
                world_size: int) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[prec.param_dtype],
                               reduce_dtype=_DTYPES[prec.reduce_dtype])
+    # Offload: sharded parameters, gradients and the optimizer step on the CPU (pinned
+    # host memory for the copies where there is a GPU to copy to).
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) \
+        if par.offload == "params" else OffloadPolicy()
     # On one rank resharding frees nothing (the shard is the whole tensor) and only costs a
     # re-gather in backward.
     reshard = par.reshard_after_forward and world_size > 1
     for i, block in enumerate(model.layers):
         # The last block's parameters are needed again at once by backward: keep them.
         last = i == len(model.layers) - 1
-        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard and not last)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard and not last,
+                    offload_policy=offload)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -80,9 +90,15 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile:
         apply_compile(model)
+    offload = strategy == "fsdp2" and dctx.distributed and par.offload == "params"
     if strategy == "fsdp2" and dctx.distributed:
         apply_fsdp(model, par, prec, dctx.world_size)
-    materialize(model, dctx.device, seed)
+    # CPU offload: the shards live in host memory; the RoPE tables (buffers, not sharded)
+    # stay on the compute device.
+    materialize(model, torch.device("cpu") if offload else dctx.device, seed)
+    if offload:
+        unwrap(model).rope_cos = unwrap(model).rope_cos.to(dctx.device)
+        unwrap(model).rope_sin = unwrap(model).rope_sin.to(dctx.device)
     if strategy == "ddp" and dctx.distributed:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -32,6 +32,9 @@ config_app = typer.Typer(help="Show the config: resolved values with description
                               "defaults, or the JSON schema.", no_args_is_help=True,
                          context_settings=_CONTEXT)
 app.add_typer(config_app, name="config")
+from orchestrator.cli.sagemaker import sagemaker_app
+
+app.add_typer(sagemaker_app, name="sagemaker", context_settings=_CONTEXT)
 
 
 def _version(value: bool) -> None:
@@ -314,13 +317,17 @@ def export(
         help="tokenizer.json to include (default: the one the checkpoint was trained "
              "with, when it is a file).")] = None,
     endpoint_url: EndpointOpt = None,
+    adapter_only: Annotated[bool, typer.Option(
+        help="LoRA/QLoRA checkpoints: write the adapter alone in peft's format instead of "
+             "merging it into the base.")] = False,
 ) -> None:
     """Write a checkpoint's weights as a Llama-format directory (config.json, safetensors)."""
     from orchestrator.cli.checkpoints import export_hf, use_endpoint
     from orchestrator.cli.configdoc import canonical_dtype
 
     use_endpoint(endpoint_url)
-    raise typer.Exit(export_hf(checkpoint, to_hf, canonical_dtype(dtype), tokenizer))
+    raise typer.Exit(export_hf(checkpoint, to_hf, canonical_dtype(dtype), tokenizer,
+                               adapter_only))
 
 
 def main() -> None:

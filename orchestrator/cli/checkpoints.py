@@ -126,7 +126,8 @@ def prune_checkpoints(url: str, keep_last: int, keep_every: int | None, dry_run:
     return 0
 
 
-def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None) -> int:
+def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None,
+              adapter_only: bool = False) -> int:
     from trainer.checkpoint import layout
     from trainer.checkpoint.store import resolve
 
@@ -150,10 +151,14 @@ def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None) -
                           f"{'; '.join(result.problems)}", highlight=False)
                 return 1
             manifest = result.manifest
-        from trainer.hf import export_checkpoint
-
+        if manifest.get("finetune") or adapter_only:  # LoRA/QLoRA: adapters only
+            from trainer.hf_adapters import export_adapted as export_checkpoint
+            extra = {"adapter_only": adapter_only}
+        else:
+            from trainer.hf import export_checkpoint
+            extra = {}
         export_checkpoint(target, manifest, to_hf, dtype=dtype, tokenizer=tokenizer,
-                          log=lambda m: out.print(m, highlight=False))
+                          log=lambda m: out.print(m, highlight=False), **extra)
     except (OSError, ValueError) as exc:
         err.print(f"[red]error[/red] {exc}", highlight=False)
         return 1

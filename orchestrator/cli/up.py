@@ -274,6 +274,8 @@ def _prepare_data(cfg: Config, show: bool = True) -> None:
     from trainer.data.prepare import ensure_dataset
 
     data = cfg.trainer.data
+    if data.format == "arrow":  # read as it is by the ranks (trainer.data.arrow)
+        return
     if cfg.checkpoint.endpoint_url:  # data on an S3-compatible store: check it there
         os.environ.setdefault("AWS_ENDPOINT_URL_S3", cfg.checkpoint.endpoint_url)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),

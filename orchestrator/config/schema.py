@@ -93,11 +93,20 @@ class SlurmConfig(Section):
                                    "agent at (expanded on the node).")
 
 
+class SageMakerConfig(Section):
+    """SageMaker launcher settings (`orchestrator sagemaker host` on every instance)."""
+
+    port: int = Field(
+        9410, ge=1, le=65535, description="Port of the supervisor on the first host (API and "
+                                           "/metrics); the other hosts' agents connect to it.")
+
+
 class LauncherConfig(Section):
     """How agents get started on the nodes."""
 
-    kind: Literal["local", "ssh", "slurm", "kubernetes"] = Field(
-        "local", description="local (simulated nodes on this host), ssh, slurm, kubernetes."
+    kind: Literal["local", "ssh", "slurm", "kubernetes", "sagemaker"] = Field(
+        "local", description="local (simulated nodes on this host), ssh, slurm, kubernetes, "
+                             "sagemaker (inside a SageMaker training job)."
     )
     python: str | None = Field(
         None, description="Python interpreter on the nodes (default: the supervisor's own)."
@@ -107,6 +116,7 @@ class LauncherConfig(Section):
     )
     ssh: SSHConfig = Field(default_factory=SSHConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    sagemaker: SageMakerConfig = Field(default_factory=SageMakerConfig)
 
 
 class ClusterConfig(Section):

@@ -1,4 +1,4 @@
-"""Launchers: how agents get started on the nodes (local, ssh, slurm, kubernetes)."""
+"""Launchers: how agents get started on the nodes (local, ssh, slurm, kubernetes, sagemaker)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def build_launcher(cfg: Config, record: Callable[..., dict[str, Any]]) -> Launch
         from orchestrator.launchers.external import ExternalLauncher
 
         return ExternalLauncher(cfg, record)
+    if kind == "sagemaker":
+        from orchestrator.launchers.sagemaker import SageMakerLauncher
+
+        return SageMakerLauncher(cfg, record)
     raise ValueError(f"launcher.kind {kind!r} is not available in this build")
 
 

@@ -7,8 +7,10 @@ saved (torch.load), and every checkpoint must carry our manifest and verify, as 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import deepspeed_state_dict, env, journal, status, up, write_config
+from procs import clear_stale_build_locks, extensions_root, run_group
 
 from trainer.checkpoint import layout
 
@@ -34,11 +37,17 @@ def deepspeed_ops() -> None:
     the 2-core CI machine; cached under ~/.cache/torch_extensions afterwards). Built here
     once, so that cost is not inside a job, where every rank would wait for it in its first
     collective and the jobs' start-up and hang timings would absorb it.
+
+    A build killed half-way (a CI run cancelled, a test timed out) leaves its ``lock`` file,
+    and every later build would wait on it forever: a lock no process holds is removed first.
     """
+    for lock in clear_stale_build_locks(extensions_root(env())):
+        print(f"removed a stale extension build lock: {lock}")
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c",
-                    "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                   check=True, env=env(), timeout=900, capture_output=True)
+    out = run_group([sys.executable, "-c",
+                     "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                    env=env(), timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     print(f"DeepSpeed ops ready after {time.monotonic() - t0:.1f} s")
 
 
@@ -150,10 +159,11 @@ def test_a_rank_failing_to_save_releases_the_others(tmp_path: Path,
     barrier: the failing rank meets it there, both learn the outcome, nothing is committed,
     and the next save commits."""
     script = Path(__file__).parent / "scripts" / "deepspeed_save_failure.py"
-    out = subprocess.run(
+    # In a process group of its own, killed whole on timeout: killing torch.distributed.run
+    # alone once left its two ranks running for 25 minutes.
+    out = run_group(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],
-        capture_output=True, text=True, timeout=180, check=False,
+         str(script)], timeout=180,
         env={**env(), "CKPT_ROOT": str(tmp_path / "ckpt"), "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     results = {r["rank"]: r for r in (json.loads(line) for line in out.stdout.splitlines()
@@ -167,3 +177,62 @@ def test_a_rank_failing_to_save_releases_the_others(tmp_path: Path,
     # Rank 0 (which commits) removed the partial directory, then committed step 2.
     assert not results[0]["first_dir_exists"]
     assert results[0]["second_ok"] and results[0]["failures"] == 0
+
+
+_HOLD = ("import sys, time; from torch.utils.file_baton import FileBaton; "
+         "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); "
+         "time.sleep(600)")
+
+
+def test_a_stale_build_lock_is_cleared_and_a_held_one_kept(tmp_path: Path) -> None:
+    """Two builds take torch's FileBaton on their op's lock; one is SIGKILLed (its lock is
+    now stale), the other still runs (a build under way): only the stale one goes."""
+    root = tmp_path / "torch_extensions"
+    locks = {name: root / "py311_cpu" / name / "lock" for name in ("killed", "running")}
+    procs = {}
+    for name, lock in locks.items():
+        lock.parent.mkdir(parents=True)
+        procs[name] = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock)],
+                                       stdout=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+        assert procs[name].stdout.readline().strip() == "held"
+    try:
+        os.kill(procs["killed"].pid, signal.SIGKILL)
+        procs["killed"].wait()
+        assert locks["killed"].exists()  # what a killed build leaves behind
+        assert clear_stale_build_locks(root) == [locks["killed"]]
+        assert not locks["killed"].exists() and locks["running"].exists()
+        assert clear_stale_build_locks(root) == []  # nothing else is stale
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    # Its holder gone, the other lock is stale too.
+    assert clear_stale_build_locks(root) == [locks["running"]]
+
+
+def test_a_rank_stuck_on_a_build_lock_is_a_hang_with_its_stack(tmp_path: Path,
+                                                                dataset_dir: Path) -> None:
+    """The job-side half: a stale lock in the ranks' extension directory leaves each rank
+    waiting in DeepSpeed's op build during ``init``; the supervisor calls it a hang after
+    the init timeout, dumps the ranks' stacks (torch's FileBaton.wait on top) and stops."""
+    ext = tmp_path / "ext"
+    (ext / "deepspeed_shm_comm").mkdir(parents=True)
+    (ext / "deepspeed_shm_comm" / "lock").touch()  # no process holds it: stale
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir,
+                       job={"name": "t", "env": {"TORCH_EXTENSIONS_DIR": str(ext)}},
+                       trainer={"steps": 5, "parallelism": {"strategy": "deepspeed",
+                                                            "zero_stage": 1}},
+                       timeouts={"phases": {"init": 25}},
+                       restart={"max_restarts": 0})
+    run = tmp_path / "run"
+    result = up(cfg, run, timeout=240)
+    assert result.returncode != 0, result.stdout[-4000:]
+    st = status(run)
+    assert st["state"] == "FAILED", st
+    failures = [e for e in journal(run) if e["kind"] == "failure"]
+    assert failures and failures[0]["cause"] == "hang", failures
+    stacks = sorted((run / "stacks").rglob("*"))
+    dumps = [p.read_text(errors="replace") for p in stacks if p.is_file()]
+    assert dumps, f"no stack dumps under {run / 'stacks'}"
+    assert any("file_baton.py" in d and "wait" in d for d in dumps), dumps[0][-3000:]

@@ -66,7 +66,19 @@ def deepspeed_config(cfg: TrainerConfig) -> dict[str, Any]:
         zero["allgather_bucket_size"] = bucket
     elif cfg.parallelism.zero_stage == 3:
         zero["stage3_prefetch_bucket_size"] = bucket
+    offload = cfg.parallelism.offload
+    extra: dict[str, Any] = {}
+    if offload in ("optimizer", "params"):
+        # ZeRO-Offload: fp32 master weights, Adam state and the step on the CPU. Our torch
+        # AdamW steps there (DeepSpeedCPUAdam would first compile a C++ op on every machine),
+        # so DeepSpeed is told not to insist on its own CPU optimizer.
+        pin = torch.cuda.is_available()
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        extra["zero_force_ds_cpu_optimizer"] = False
+        if offload == "params":  # ZeRO-Infinity's parameter offload (stage 3, validated)
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     out: dict[str, Any] = {
+        **extra,
         "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
         "gradient_accumulation_steps": cfg.data.grad_accum_steps,
         "gradient_clipping": cfg.optimizer.grad_clip,
@@ -181,6 +193,13 @@ class DeepSpeedBackend(Backend):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=deepspeed_config(settings.trainer),
                                                dist_init_required=False)
+        if settings.trainer.parallelism.offload != "none" and dctx.is_main:
+            # What the engine made of the offload request (its parsed config), in the log.
+            where = [str(getattr(c.device, "value", c.device)) if c is not None else "none"
+                     for c in (engine.zero_offload_optimizer(), engine.zero_offload_param())]
+            opt, par = (w if w != "none" else "the accelerator" for w in where)
+            print(f"[rank {dctx.rank}] ZeRO-Offload: optimizer state and step on {opt}, "
+                  f"parameters on {par}", flush=True)
         return DeepSpeedStepper(engine, scheduler, dctx.device)
 
     def checkpoint_state(self, stepper: Any, scheduler: Any, progress: Any, loader: Any,

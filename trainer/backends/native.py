@@ -37,12 +37,17 @@ class TorchStepper:
     """The plain torch step (FSDP2, DDP, none)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 cfg: TrainerConfig, device: torch.device) -> None:
+                 cfg: TrainerConfig, device: torch.device, after_update: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.cfg = cfg
         self.device = device
+        self.after_update = after_update  # FP8 under FSDP2: the weights' scales, once per step
+        # Fine-tuning: the frozen base (NF4 under QLoRA) is reloaded at every start and never
+        # changes, so norms and digests cover the trained adapters only.
+        self._tracked = [(n, p) for n, p in model.named_parameters()
+                         if p.requires_grad or cfg.finetune is None]
         # Compiled, the upcast and the log-softmax fuse: the fp32 logits (4 bytes x vocab x
         # tokens, 1 GB for the 1.14B model's batch) are never materialised.
         self.loss_fn = torch.compile(lm_loss) if cfg.parallelism.compile else lm_loss
@@ -71,20 +76,29 @@ class TorchStepper:
         skipped = bool(decide is not None and decide(loss, grad_norm))
         if not skipped:
             self.optimizer.step()
+            if self.after_update is not None:
+                self.after_update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepOutcome(loss, grad_norm, skipped)
 
     def param_norm(self) -> float:
-        return float(param_norm(self.model.parameters()))
+        return float(param_norm([p for _, p in self._tracked]))
 
     def local_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        for name, param in self.model.named_parameters():
+        for name, param in self._tracked:
             yield name, param.to_local() if hasattr(param, "to_local") else param
 
 
 class NativeBackend(Backend):
-    """FSDP2 (``fully_shard`` per block, then the root), DDP, or none."""
+    """FSDP2 (``fully_shard`` per block, then the root), DDP, or none; optionally with LoRA /
+    QLoRA adapters (``trainer.finetune``), FP8 linears (``trainer.precision.fp8``) and FSDP2's
+    CPU offload (``trainer.parallelism.offload: params``)."""
+
+    settings: WorkerSettings | None = None
+
+    def setup(self, settings: WorkerSettings, dctx: DistContext) -> None:
+        self.settings = settings
 
     def build_model(self, settings: WorkerSettings, dctx: DistContext) -> nn.Module:
         from trainer import model as model_mod
@@ -93,15 +107,55 @@ class NativeBackend(Backend):
 
         cfg = settings.trainer
         model = model_mod.build_model(resolve_model_args(cfg.model), device="meta")
+        if cfg.precision.fp8:
+            from trainer.precision import fp8
+
+            fp8.convert(model, dctx.device, fsdp=self._fsdp(settings, dctx))
+        if cfg.finetune is not None:
+            from trainer.finetune import add_adapters
+
+            model = add_adapters(model, cfg.finetune)
         return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+
+    @staticmethod
+    def _fsdp(settings: WorkerSettings, dctx: DistContext) -> bool:
+        return settings.trainer.parallelism.strategy == "fsdp2" and dctx.distributed
 
     def build_stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                       settings: WorkerSettings, dctx: DistContext) -> TorchStepper:
-        return TorchStepper(model, optimizer, scheduler, settings.trainer, dctx.device)
+        after = None
+        if settings.trainer.precision.fp8 and self._fsdp(settings, dctx):
+            from trainer.precision.fp8 import after_optimizer_step
+
+            after = after_optimizer_step
+        return TorchStepper(model, optimizer, scheduler, settings.trainer, dctx.device, after)
 
     def checkpoint_state(self, stepper: Any, scheduler: Any, progress: Any, loader: Any,
                          rank: int) -> dict[str, Any]:
-        from trainer.state import checkpoint_state
+        from trainer.state import LoaderState, checkpoint_state
 
-        return checkpoint_state(stepper.model, stepper.optimizer, scheduler, progress, loader,
-                                rank)
+        state = checkpoint_state(stepper.model, stepper.optimizer, scheduler, progress, loader,
+                                 rank)
+        if self.settings is not None and self.settings.trainer.finetune is not None:
+            from trainer.finetune import AdapterOptimState
+
+            state["app"] = AdapterOptimState(stepper.model, stepper.optimizer)
+        if getattr(loader, "per_rank_state", False):
+            # Each rank reads its own rows (trainer.data.arrow): one entry per rank, as RNGs.
+            del state["data"]
+            state[f"data_rank{rank:05d}"] = LoaderState(loader)
+        return state
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        meta = super().checkpoint_meta()
+        cfg = self.settings.trainer if self.settings is not None else None
+        if cfg is not None and cfg.finetune is not None:
+            from trainer.finetune import finetune_meta
+
+            meta["finetune"] = finetune_meta(cfg.finetune, str(cfg.model.init_from_hf))
+            meta["state_layout"] = {**meta["state_layout"],
+                                    "model_and_optimizer": "app (LoRA adapters and their "
+                                                           "optimizer state only)"}
+        if cfg is not None and cfg.data.format == "arrow":
+            meta["state_layout"] = {**meta["state_layout"], "data_loader": "data_rank<RANK>"}
+        return meta

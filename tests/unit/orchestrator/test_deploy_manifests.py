@@ -18,14 +18,14 @@ def test_supervisor_and_agents_fit_together() -> None:
     agents = {d["kind"]: d for d in _docs("agents.yaml")}
     service = sup["Service"]
     port = service["spec"]["ports"][0]["port"]
-    container = agents["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    container = agents["Job"]["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
     assert f"--head=http://{service['metadata']['name']}:{port}" in args
     assert "--token-file=/var/run/orchestrator/token" in args
     assert not any("token=" in a and "file" not in a for a in args)  # never on a command line
     sup_container = sup["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     secret_ref = sup_container["env"][0]["valueFrom"]["secretKeyRef"]
-    volume = next(v for v in agents["StatefulSet"]["spec"]["template"]["spec"]["volumes"]
+    volume = next(v for v in agents["Job"]["spec"]["template"]["spec"]["volumes"]
                   if v["name"] == "token")
     assert volume["secret"]["secretName"] == secret_ref["name"]
     assert volume["secret"]["defaultMode"] == 0o400

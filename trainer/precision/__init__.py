@@ -1,0 +1,1 @@
+"""Numerics beyond the dtype choice: FP8 training (``trainer.precision.fp8``)."""
