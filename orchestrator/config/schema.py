@@ -61,7 +61,9 @@ class JobConfig(Section):
     @field_validator("env")
     @classmethod
     def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
-        secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.I)]
+        # The checkpoint signing key too (its *file*'s path, ORCH_CHECKPOINT_KEY_FILE, is fine).
+        secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.I)
+                  or k.upper() == "ORCH_CHECKPOINT_KEY"]
         if secret:
             raise ValueError(
                 f"secrets never come from the config file ({', '.join(sorted(secret))}); "

@@ -103,9 +103,14 @@ class GenerationParts:
         # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
         endpoint = self.cfg.checkpoint.endpoint_url
         resume_max = self.stability.resume_max_step
+        # The job's checkpoint signing key (a path, never the key itself: the assignment is
+        # journaled); generated once into the run directory at 0600 when none is given.
+        from trainer.checkpoint import signing
+
         return {
             **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
             **self.cfg.job.env,
+            **signing.generation_env(self.ctx.rundir.root, self.cfg.job.env),
             "ORCH_JOB": self.cfg.job.name,
             "ORCH_GENERATION": str(generation),
             "ORCH_CHECKPOINT_ROOT": self.ctx.checkpoint_root,
