@@ -70,13 +70,16 @@ class CheckpointFailed(EventData):
 class CheckpointPruned(EventData):
     steps: list[Step] = Field(max_length=100_000)
     tier: ShortStr | None = None
+    failing: list[Step] = Field(default_factory=list, max_length=100_000)  # kept: unverified
 
 
 class CheckpointSkipped(EventData):
     step: Step
     path: Text | None = None
     tier: ShortStr | None = None
+    reason: Text | None = None
     problems: list[Text] = Field(default_factory=list, max_length=100)
+    signature: Text | None = None
 
 
 class CheckpointFetched(EventData):
