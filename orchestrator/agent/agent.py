@@ -50,7 +50,7 @@ class Agent:
         self.procs = procs
         self.run_dir = run_dir
         self.orphan_timeout_s = orphan_timeout_s
-        self.client = SupervisorClient(head_url, token)
+        self.client = SupervisorClient(head_url, token, node_id=node_id)
         self.log = get_logger("orchestrator.agent").bind(node=node_id)
         self.hub = LocalHub(on_event=self._on_worker_event)
         self.sock = LocalSocketServer(self.hub)

@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 
-from orchestrator.envcontract import token_env
 from orchestrator.events import AgentSpawned
 from orchestrator.launchers.base import (
     AgentSpec,
@@ -32,7 +31,7 @@ class LocalLauncher(Launcher):
     def _spawn(self, spec: AgentSpec, node_id: str) -> None:
         spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
         out = open(spec.run_dir.agents / f"{node_id}.out", "ab")
-        env = {**os.environ, **token_env(spec.token), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.agent_env(spec, node_id), "PYTHONUNBUFFERED": "1"}
         cmd = agent_command(spec, node_id, addr="127.0.0.1",
                             procs=self.cfg.cluster.procs_per_node,
                             orphan_timeout_s=LOCAL_ORPHAN_TIMEOUT_S)

@@ -1,6 +1,6 @@
 """The SSH launcher: one ``orchestrator agent`` per host, over ``ssh``.
 
-The token travels on the ssh session's stdin (read into the agent's environment by the
+The node's credential travels on the ssh session's stdin (read into the agent's environment by the
 remote shell), never on a command line where ``ps`` on either side would show it. The job's
 environment (``job.env``, plus ``PYTHONPATH`` when the head has one) is set on the remote
 command. Hosts come from ``launcher.ssh.hosts`` or a hostfile (one ``[user@]host[:port]`` a
@@ -102,6 +102,8 @@ class SSHLauncher(Launcher):
             "--procs", str(self.cfg.cluster.procs_per_node),
             "--run-dir", str(spec.run_dir.root),
             "--orphan-timeout", str(REMOTE_ORPHAN_TIMEOUT_S)])
+        if self.cfg.api.tls_ca:
+            env_words += f" ORCH_TLS_CA={shlex.quote(self.cfg.api.tls_ca)}"
         return (f"IFS= read -r {TOKEN} && export {TOKEN} && "
                 f"exec env {env_words} {agent}")
 
@@ -113,7 +115,7 @@ class SSHLauncher(Launcher):
                                 start_new_session=True)
         out.close()
         assert proc.stdin is not None
-        proc.stdin.write((spec.token + "\n").encode())
+        proc.stdin.write((spec.credential(node_id) + "\n").encode())
         proc.stdin.close()
         self._procs[node_id] = proc
         self._by_node[node_id] = host

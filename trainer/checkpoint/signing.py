@@ -177,10 +177,10 @@ def generation_env(run_dir: str | Path, job_env: dict[str, str] | None = None,
 
 def default_key_path(root: str | None) -> Path:
     """Where a process with no key in its environment keeps one (see the module)."""
-    from trainer.checkpoint import layout
-
-    if root and not layout.is_remote(root):
-        local = layout.filesystem(root)[1] if "://" in root else os.path.expanduser(root)
+    # A local root (a path or file:// URL; layout.is_remote's rule, not imported: layout
+    # imports this module).
+    if root and ("://" not in root or root.startswith("file://")):
+        local = root.removeprefix("file://") if "://" in root else os.path.expanduser(root)
         return Path(os.path.abspath(local)).parent / KEY_FILE_NAME
     if os.environ.get("ORCH_RUN_DIR"):
         return Path(os.environ["ORCH_RUN_DIR"]) / KEY_FILE_NAME
