@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from orchestrator.auth import node_credential
 from orchestrator.protocol import (
     Assignment,
     EventBatch,
@@ -22,9 +23,11 @@ from orchestrator.protocol import (
 )
 
 
-def auth_headers(token: str, node_id: str) -> dict[str, str]:
-    """The header an agent of ``node_id`` sends (today one job token for every node).
+def auth_headers(secret: str, node_id: str) -> dict[str, str]:
+    """The header an agent of ``node_id`` sends: its own credential, derived from the job
+    secret (``orchestrator.auth``); with no node id, the operator's (the secret itself).
     Ranks are simulated: their pids are None, so no tool ever signals a made-up pid."""
+    token = node_credential(secret, node_id) if node_id else secret
     return {"Authorization": f"Bearer {token}"}
 
 

@@ -279,6 +279,7 @@ class CheckpointPruned(Event):
     steps: list[Step] = Field(default_factory=list, max_length=100_000)
     tier: Name | None = None
     reason: Text | None = None
+    failing: list[Step] = Field(default_factory=list, max_length=100_000)  # kept: unverified
 
 
 class FirstStep(Event):

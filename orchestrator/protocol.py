@@ -5,45 +5,149 @@ Kubernetes pods work. Commands travel as a declarative *assignment* per node, wh
 fetches by long-poll and reconciles against what it runs: an assignment says which generation
 of the job the node should run (or that it should stop, or exit), so a supervisor rebuilt from
 its journal re-issues the same assignment and a running node carries on undisturbed.
+
+Everything an agent sends is an ``Inbound`` model: strict types (no "5" for 5, no bool for an
+int), finite numbers, bounded strings and lists, closed sets of phases and signals, node ids of
+printable ASCII. Worker events are typed per name (``orchestrator.worker_events``). A message
+that does not fit is refused at the door with 422; nothing behind the API sees it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+    with_config,
+)
+from typing_extensions import NotRequired, TypedDict
+
+from orchestrator.worker_events import (
+    FiniteFloat,
+    ShortStr,
+    Signal,
+    Text,
+    Timestamp,
+    validate_worker_data,
+)
+
+# Phases a rank reports (the worker SDK's PHASES, plus ``finishing`` after the last step).
+Phase = Literal["init", "loading", "compiling", "training", "checkpointing", "evaluating",
+                "finishing"]
+PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+
+# A node id: printable ASCII, safe in a file name, a metric label and a terminal. (A
+# superscript digit passes ``str.isdigit`` but not ``int``; an escape code repaints a TTY.)
+NodeId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+HostName = Annotated[str, StringConstraints(min_length=1, max_length=255,
+                                            pattern=r"^[\x21-\x7e]+$")]
+Port = Annotated[int, Field(ge=1, le=65535)]
+# Bounds far above any real cluster, low enough that no arithmetic on them overflows.
+MAX_RANKS = 1 << 20
+Rank = Annotated[int, Field(ge=0, lt=MAX_RANKS)]
+Step = Annotated[int, Field(ge=0, le=1 << 53)]
+Generation = Annotated[int, Field(ge=0, le=1 << 31)]
+Pid = Annotated[int, Field(ge=0, le=1 << 31)]
+ExitCode = Annotated[int, Field(ge=-(1 << 31), le=1 << 31)]
+# A step interval above a week is a broken clock or a forgery (the hang timeout is a multiple).
+MAX_STEP_INTERVAL_S = 7 * 86400.0
+# Depth of free-form JSON (health details, measured tables); the parser stops at 200.
+DEFAULT_MAX_JSON_DEPTH = 32
+
+
+def _depth_ok(value: Any, info: ValidationInfo) -> Any:
+    limit = (info.context or {}).get("max_json_depth", DEFAULT_MAX_JSON_DEPTH)
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            raise ValueError(f"nested deeper than {limit} levels")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+    return value
+
+
+# Free-form JSON of bounded depth (pydantic's JsonValue refuses NaN only in JSON mode).
+FreeJson = Annotated[dict[str, JsonValue], AfterValidator(_depth_ok)]
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class RankInfo(Message):
+class Inbound(Message):
+    """A message an agent sends: strict, finite, bounded."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class RankInfo(Inbound):
     """What an agent knows of one of its ranks."""
 
-    rank: int = Field(ge=0)
-    local_rank: int = Field(ge=0)
-    pid: int | None = None
+    rank: Rank
+    local_rank: Annotated[int, Field(ge=0, lt=4096)]
+    pid: Pid | None = None
     alive: bool = True
-    exit_code: int | None = None
-    signal: str | None = None
-    step: int | None = None
-    phase: str | None = None
-    last_step_ts: float | None = None  # wall time the rank's last step finished
-    beat_ts: float | None = None  # wall time of the rank's last heartbeat
-    step_interval_max: float | None = None  # largest recent step interval seen by the rank
+    exit_code: ExitCode | None = None
+    signal: Signal | None = None
+    step: Step | None = None
+    phase: Phase | None = None
+    last_step_ts: Timestamp | None = None  # wall time the rank's last step finished
+    beat_ts: Timestamp | None = None  # wall time of the rank's last heartbeat
+    # largest recent step interval seen by the rank (calibrates the hang timeout)
+    step_interval_max: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)] | None = None
+    # Who counts the steps: "sdk" (the script's step_done) or "hook" (the preload hook's
+    # optimizer-step count: a script with no SDK, judged by liveness until its first step).
+    progress: Literal["sdk", "hook"] | None = None
+    finished: bool = False  # the rank sent its last beat (worker SDK shutdown): tearing down
 
 
-class RegisterRequest(Message):
-    node_id: str = Field(min_length=1, max_length=128)
-    host: str
-    addr: str  # address other nodes use to reach this one (MASTER_ADDR when node rank 0)
-    procs: int = Field(ge=0)  # accelerators (or CPU slots) available
-    agent_pid: int
-    free_port: int | None = Field(None, ge=1, le=65535)
-    generation: int | None = None  # generation it is running, when re-registering
-    assignment_version: int = Field(0, ge=0)  # newest assignment version it has seen
-    ranks: list[RankInfo] = Field(default_factory=list)
+@with_config(ConfigDict(strict=True, allow_inf_nan=True))
+class StepRecord(TypedDict, extra_items=float | int | bool | None | ShortStr):  # type: ignore[call-arg]
+    """One of rank 0's step records (a plain dict after parsing: the progress tracker and
+    ``steps.jsonl`` take it as is). Metric values may be NaN or infinite: a non-finite loss
+    is exactly what the stability detectors look for."""
+
+    step: Step
+    ts: NotRequired[Timestamp]
+
+
+_STEP_RECORD: TypeAdapter[StepRecord] = TypeAdapter(StepRecord)
+
+
+def keep_valid_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The step records a heartbeat may carry, and how many were dropped: one bad record (a
+    user's metric that is a list, a 10 kB string) must not make the whole beat unsendable."""
+    kept = []
+    for rec in records:
+        try:
+            kept.append(_STEP_RECORD.validate_python(rec))
+        except ValidationError:
+            continue
+    return kept, len(records) - len(kept)
+
+
+class RegisterRequest(Inbound):
+    node_id: NodeId
+    host: HostName
+    addr: HostName  # address other nodes use to reach this one (MASTER_ADDR when node rank 0)
+    procs: Annotated[int, Field(ge=0, le=4096)]  # accelerators (or CPU slots) available
+    agent_pid: Pid
+    free_port: Port | None = None
+    generation: Generation | None = None  # generation it is running, when re-registering
+    assignment_version: Annotated[int, Field(ge=0, le=1 << 53)] = 0  # newest version seen
+    ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
 
 
 class RegisterResponse(Message):
@@ -53,70 +157,112 @@ class RegisterResponse(Message):
     heartbeat_interval_s: float
 
 
-class Heartbeat(Message):
-    node_id: str
-    generation: int | None = None
-    free_port: int | None = Field(None, ge=1, le=65535)
-    ranks: list[RankInfo] = Field(default_factory=list)
-    records: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
+class Heartbeat(Inbound):
+    node_id: NodeId
+    generation: Generation | None = None
+    free_port: Port | None = None
+    ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
+    records: list[StepRecord] = Field(default_factory=list, max_length=100_000)
 
 
-class RankExit(Message):
+class RankExit(Inbound):
     type: Literal["rank_exit"] = "rank_exit"
-    generation: int
-    rank: int = Field(ge=0)
-    pid: int | None = None
-    exit_code: int | None = None
-    signal: str | None = None
-    ts: float
-    log_tail: list[str] = Field(default_factory=list)
+    generation: Generation
+    rank: Rank
+    pid: Pid | None = None
+    exit_code: ExitCode | None = None
+    signal: Signal | None = None
+    ts: Timestamp
+    log_tail: list[Text] = Field(default_factory=list, max_length=200)
+    # The rank's own account of its failure: its @record error file's message, or the OS
+    # error of a spawn that failed (``job.entrypoint 'pyhton' not found``).
+    error: Annotated[str, Field(max_length=4096)] | None = None
 
 
-class RanksStarted(Message):
+class RanksStarted(Inbound):
     type: Literal["ranks_started"] = "ranks_started"
-    generation: int
-    ranks: list[RankInfo]
-    ts: float
+    generation: Generation
+    ranks: list[RankInfo] = Field(max_length=4096)
+    ts: Timestamp
 
 
-class RanksStopped(Message):
+class RanksStopped(Inbound):
     type: Literal["ranks_stopped"] = "ranks_stopped"
-    generation: int
-    ts: float
-    free_port: int | None = Field(None, ge=1, le=65535)  # for the next rendezvous
+    generation: Generation
+    ts: Timestamp
+    free_port: Port | None = None  # for the next rendezvous
 
 
-class WorkerEvent(Message):
-    """An event a rank sent through the worker SDK (checkpoint committed, phase change...)."""
+class WorkerEvent(Inbound):
+    """An event a rank sent through the worker SDK (checkpoint committed, phase change...).
+
+    ``data`` is checked against the model of ``name`` (``orchestrator.worker_events``): a
+    ``checkpoint_committed`` without a valid step, or data that names the envelope's own
+    fields (generation, rank, node_id, kind, seq, ts), is refused."""
 
     type: Literal["worker"] = "worker"
-    generation: int
-    rank: int = Field(ge=0)
-    name: str = Field(min_length=1, max_length=64)
+    generation: Generation
+    rank: Rank
+    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
     data: dict[str, Any] = Field(default_factory=dict)
-    ts: float
+    ts: Timestamp
+
+    @model_validator(mode="after")
+    def _typed_data(self) -> WorkerEvent:
+        self.data = validate_worker_data(self.name, self.rank, self.data)
+        return self
 
 
-class HealthReport(Message):
+class HealthResult(Inbound):
+    """One check's result as an agent reports it (``orchestrator.health.base.CheckResult``)."""
+
+    node_id: NodeId
+    check: ShortStr
+    ok: bool
+    severity: Literal["fatal", "warn"]
+    message: Text
+    duration_s: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)]
+    level: Literal["quick", "full"]
+    skipped: bool = False
+    details: FreeJson = Field(default_factory=dict)
+
+
+def _results_ok(results: list[dict[str, Any]], info: ValidationInfo) -> list[dict[str, Any]]:
+    for r in results:
+        HealthResult.model_validate(r, strict=False, context=info.context)
+    return results
+
+
+class HealthReport(Inbound):
     """A node's results for one stage of a health round (see ``orchestrator.health``)."""
 
     type: Literal["health"] = "health"
-    nonce: str
+    nonce: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     stage: Literal["node", "network"]
-    results: list[dict[str, Any]] = Field(default_factory=list, max_length=1000)
-    measured: dict[str, Any] | None = None  # the network test's table
-    error: str | None = None  # why the network test produced nothing here
-    sent_ts: float  # the agent's wall clock when it sent this (clock-skew check)
-    free_port: int | None = Field(None, ge=1, le=65535)
+    results: Annotated[list[dict[str, Any]], AfterValidator(_results_ok)] = Field(
+        default_factory=list, max_length=1000)
+    measured: FreeJson | None = None  # the network test's table
+    error: Text | None = None  # why the network test produced nothing here
+    sent_ts: Timestamp  # the agent's wall clock when it sent this (clock-skew check)
+    free_port: Port | None = None
 
 
 AgentEvent = Annotated[RankExit | RanksStarted | RanksStopped | WorkerEvent | HealthReport,
                        Field(discriminator="type")]
 
 
-class EventBatch(Message):
-    node_id: str
+class EventBatch(Inbound):
+    node_id: NodeId
     events: list[AgentEvent] = Field(max_length=10_000)
+
+
+class StopRequest(Inbound):
+    """The operator's ``/v1/stop`` (``orchestrator down``): why, and whether the ranks commit
+    a checkpoint at their next step boundary before they stop."""
+
+    reason: Annotated[str, StringConstraints(max_length=200,
+                                             pattern=r"^[^\x00-\x1f\x7f]*$")] = "operator"
+    checkpoint: bool = True
 
 
 class SignalOrder(Message):
@@ -158,3 +304,9 @@ class Assignment(Message):
     # Modules a spare interpreter imports ahead of the next start (empty: no spares).
     preload: list[str] = Field(default_factory=list)
     health: HealthOrder | None = None
+
+
+__all__ = ["PHASES", "AgentEvent", "Assignment", "EventBatch", "FiniteFloat", "HealthOrder",
+           "HealthReport", "HealthResult", "Heartbeat", "Inbound", "Message", "NodeId", "Phase",
+           "RankExit", "RankInfo", "RanksStarted", "RanksStopped", "RegisterRequest",
+           "RegisterResponse", "SignalOrder", "StepRecord", "StopRequest", "WorkerEvent", "keep_valid_records"]

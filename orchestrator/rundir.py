@@ -11,6 +11,7 @@ Layout::
       steps.jsonl             rank 0's step records (loss, grad norm, ...), for replay
       logs/rank-00000.log     each rank's stdout/stderr (all generations, with a header each)
       agents/<node>.log       each local agent's log
+      agents/credentials/     per-node credentials handed over as files (Slurm), 0600
       stacks/                 stack dumps taken before a hung job is killed
       checkpoints/            default checkpoint root (checkpoint.url unset)
 """
@@ -95,6 +96,10 @@ class RunDir:
         return self.root / "agents"
 
     @property
+    def credentials(self) -> Path:
+        return self.agents / "credentials"
+
+    @property
     def stacks(self) -> Path:
         return self.root / "stacks"
 
@@ -110,18 +115,38 @@ class RunDir:
 
     # -- small files ---------------------------------------------------------------------
     def ensure_token(self, preset: str | None = None) -> str:
-        """The job's API token, created 0600 on first use. Never logged.
+        """The job's API token, created 0600 on first use. Never logged: it is registered
+        for redaction by value (``orchestrator.logs.redact``) as soon as it is known.
 
         ``preset`` (the supervisor's ``ORCH_TOKEN``, e.g. from a Kubernetes Secret) is used
-        instead of a fresh random token when the run has none yet.
+        instead of a fresh random token when the run has none yet. A token file that others
+        may read (an older version, a copy) is narrowed to 0600 on the way.
         """
+        from orchestrator.logs import redact
+
         if self.token_file.exists():
-            return self.token_file.read_text().strip()
+            if self.token_file.stat().st_mode & 0o077:
+                os.chmod(self.token_file, 0o600)
+            token = self.token_file.read_text().strip()
+            redact(token)
+            return token
         token = preset or secrets.token_urlsafe(32)
+        redact(token)
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)
         return token
+
+    def write_secret(self, path: Path, text: str) -> None:
+        """Write ``text`` to ``path`` readable by its owner only (0600 from the first byte:
+        the file is created with that mode, never narrowed after it was written)."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
 
     def write_json(self, path: Path, data: dict[str, Any]) -> None:
         tmp = path.with_suffix(path.suffix + ".tmp")

@@ -91,7 +91,7 @@ def kill_strays(run_dir: Path) -> None:
             pids = [r["pid"] for r in event["ranks"]]
         else:
             continue
-        for pid in pids:
+        for pid in filter(None, pids):  # None: a rank whose spawn failed
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -452,6 +452,10 @@ class CheckpointConfig(_Section):
     thread then uploads it to ``url`` (``s3://``), manifest last. A restart loads the newest
     checkpoint committed in either tier that verifies. S3 credentials come from the standard
     AWS chain (environment, profile, instance role), never from this file.
+
+    Every manifest is signed (HMAC-SHA256) with the job's key, which never comes from this
+    file either: ``ORCH_CHECKPOINT_KEY`` or ``ORCH_CHECKPOINT_KEY_FILE`` in the environment,
+    else a key generated into the run directory (``trainer.checkpoint.signing``).
     """
 
     url: str | None = Field(
@@ -512,7 +516,14 @@ class CheckpointConfig(_Section):
         description="Threads each rank writes its DCP files with (one file per thread); "
                     "fast NVMe needs several to reach its bandwidth.")
     verify_on_load: bool = Field(
-        True, description="Verify the manifest's checksums before loading."
+        True, description="Verify the manifest's signature and every digest before loading. "
+                          "Always on: a restore that skipped them could unpickle a forged "
+                          "file (false is refused)."
+    )
+    trust_unsigned: bool = Field(
+        False, description="Also restore unsigned checkpoints (written before checkpoints "
+                           "were signed, or imported) when their files verify. Signed ones "
+                           "must always match the job's key."
     )
 
     @model_validator(mode="after")
@@ -531,6 +542,9 @@ class CheckpointConfig(_Section):
                 raise FieldError("local_url", "the local and remote tiers are the same place")
         elif "keep_last_remote" in self.model_fields_set and self.keep_last_remote is not None:
             raise FieldError("keep_last_remote", "only used with local_url (two tiers)")
+        if not self.verify_on_load:
+            raise FieldError("verify_on_load", "a restore always verifies the signature and "
+                                               "every digest before it loads anything")
         if self.endpoint_url is not None:
             if not re.match(r"^https?://[^/\s]+", self.endpoint_url):
                 raise FieldError("endpoint_url", "must be an http:// or https:// URL")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from orchestrator import envcontract as ec
 from trainer.config import TrainerConfig
 
 # Standalone (plain torchrun, no orchestrator to say its hang timeout): five minutes, long
@@ -68,17 +69,16 @@ def configure_process(cfg: TrainerConfig, local_world_size: int) -> None:
 
 def collective_timeout_s() -> float:
     """From the orchestrator (hang timeout + margin) or the standalone default."""
-    try:
-        return float(os.environ.get("ORCH_COLLECTIVE_TIMEOUT_S") or DEFAULT_COLLECTIVE_TIMEOUT_S)
-    except ValueError:
-        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    return ec.GenerationEnv.from_env(os.environ).collective_timeout_s \
+        or DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 def init_distributed(cfg: TrainerConfig) -> DistContext:
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    env = os.environ
+    rank = ec.get_int(env, "RANK", 0, minimum=0) or 0
+    local_rank = ec.get_int(env, "LOCAL_RANK", 0, minimum=0) or 0
+    world = ec.get_int(env, "WORLD_SIZE", 1, minimum=1) or 1
+    local_world = ec.get_int(env, "LOCAL_WORLD_SIZE", 1, minimum=1) or 1
     configure_process(cfg, local_world)
     device = pick_device(cfg, local_rank)
     backend = cfg.parallelism.backend

@@ -208,6 +208,9 @@ def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Pa
     DCP checkpoints directly, DeepSpeed ones (``writer: deepspeed``) through DeepSpeed's own
     consolidation of the ZeRO partitions. A LoRA / QLoRA checkpoint (``finetune`` in the
     manifest) is exported by ``trainer.hf_adapters.export_adapted`` instead.
+
+    The caller must have verified the checkpoint (``layout.verify`` with the job's trust,
+    as ``orchestrator export`` does): DCP's metadata and DeepSpeed's files are pickles.
     """
     import torch
 
@@ -250,8 +253,32 @@ def _dcp_weights(step_url: str, args: ModelArgs) -> dict[str, torch.Tensor]:
         reader: Any = FsspecReader(step_url)
     else:
         reader = dcp.FileSystemReader(layout.filesystem(step_url)[1])
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    from trainer.checkpoint.checkpointer import SafeLoadPlanner
+
+    # The caller verified the manifest's signature and digests (export_checkpoint's
+    # contract): DCP's .metadata pickle is the one our rank 0 wrote; byte items, none here,
+    # would load weights-only.
+    dcp.load(state, storage_reader=reader, no_dist=True, planner=SafeLoadPlanner())
     return state["app"]["model"]
+
+
+def _model_states(path: str) -> dict[str, Any]:
+    """DeepSpeed's model states file, weights-only where torch allows it.
+
+    It holds the module's tensors, our client state (numbers and JSON strings) and
+    DeepSpeed's bookkeeping; when that bookkeeping holds an object the weights-only
+    unpickler refuses (a DeepSpeed class), the file is read in full. That is safe only
+    because the caller verified the manifest's signature and this file's BLAKE3 digest
+    before (export_checkpoint's contract): the bytes are the ones our rank 0 committed.
+    """
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 # Activation checkpointing wraps blocks; DCP's state-dict API drops this from names, a
@@ -265,8 +292,6 @@ def _deepspeed_weights(step_url: str) -> dict[str, torch.Tensor]:
     model states file."""
     import os
 
-    import torch
-
     from trainer.checkpoint import layout
 
     if layout.is_remote(step_url):
@@ -276,9 +301,12 @@ def _deepspeed_weights(step_url: str) -> dict[str, torch.Tensor]:
     if any(name.endswith("_optim_states.pt") for name in os.listdir(path)):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        # DeepSpeed's own reader (torch.load with weights_only=False inside): its files hold
+        # DeepSpeed's objects, which the weights-only unpickler refuses. Safe because the
+        # caller verified the manifest's signature and every file's BLAKE3 digest first
+        # (export_checkpoint's contract): these are the bytes our rank 0 committed.
         root, tag = os.path.split(path)
         sd = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     else:
-        sd = torch.load(os.path.join(path, "mp_rank_00_model_states.pt"), map_location="cpu",
-                        weights_only=False)["module"]
+        sd = _model_states(os.path.join(path, "mp_rank_00_model_states.pt"))["module"]
     return {k.replace(_AC_PREFIX, ""): v.float() for k, v in sd.items()}

@@ -12,6 +12,7 @@ import time
 import warnings
 
 import orchestrator.worker as ow
+from orchestrator import envcontract as ec
 
 
 def _log(rank: int):
@@ -40,11 +41,11 @@ def process_start_time() -> float | None:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    handoff = os.environ.get("ORCH_WARM_HANDOFF_TS")  # started in a pre-imported spare
-    startup = {"process_start": float(handoff) if handoff else process_start_time(),
-               "main": time.time(), "warm": bool(handoff)}
+    handoff = ec.handoff_ts(os.environ)  # started in a pre-imported spare
+    startup = {"process_start": handoff if handoff is not None else process_start_time(),
+               "main": time.time(), "warm": handoff is not None}
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("--config", help="Job YAML (default: ORCH_CONFIG from the agent).")
+    parser.add_argument("--config", help=f"Job YAML (default: {ec.CONFIG} from the agent).")
     args = parser.parse_args(argv)
 
     # FSDP2 on a CPU mesh warns that DTensor's RNG tracker is incomplete there; our init

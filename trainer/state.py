@@ -4,10 +4,19 @@ Model and optimizer go through torch's distributed state-dict API (sharded DTens
 FSDP2, no full gather); the LR schedule, the step/token counters, the data position and
 every RNG of every rank ride along in the same DCP checkpoint. RNG states are per rank
 (distinct keys), so DCP's de-duplication of identical keys across ranks cannot drop one.
+
+Nothing of ours is pickled: the counters are numbers, the data position and the guard are
+JSON, the RNG states are JSON with the torch/CUDA generator bytes in base64. (DCP stores a
+non-tensor value through ``torch.save``; the checkpointer reads those back with
+``weights_only=True``, numbers and strings only.) Checkpoints of format 1 held the RNG
+states as one pickle; those are read, for an operator who trusts such a checkpoint, by an
+unpickler that admits only the numpy and torch types an RNG state is made of.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import pickle
 import random
@@ -79,23 +88,91 @@ class LoaderState(Stateful):
         self.loader.load_state_dict(dict(state_dict))
 
 
+STATE_FORMAT = 2  # the manifest's state_format: 2 = RNG states as JSON (1: a pickle)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's Python, numpy, torch and (when initialised) CUDA RNG states, as JSON
+    values."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states: dict[str, Any] = {
+        "python": [version, list(mt), gauss],
+        "numpy": [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = [_b64(t) for t in torch.cuda.get_rng_state_all()]
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what ``rng_states`` returned (or a format-1 pickle's decoded dict)."""
+    py = states["python"]
+    random.setstate((int(py[0]), tuple(int(x) for x in py[1]), py[2]))
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss),
+                         float(cached)))
+    torch.set_rng_state(_unb64(states["torch"]) if isinstance(states["torch"], str)
+                        else states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(t) if isinstance(t, str) else t
+                                      for t in states["cuda"]])
+
+
+class _Format1Unpickler(pickle.Unpickler):
+    """Reads a format-1 RNG blob: numpy arrays and torch byte tensors, nothing else."""
+
+    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"),
+                ("numpy._core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+                ("numpy", "dtype"), ("torch._utils", "_rebuild_tensor_v2"),
+                ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda b: torch.load(io.BytesIO(b), weights_only=True)
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"an RNG state does not hold {module}.{name}")
+
+
+def decode_format1_rng(blob: bytes) -> dict[str, Any]:
+    """The RNG states in a format-1 checkpoint's pickle, through ``_Format1Unpickler``."""
+    states = _Format1Unpickler(io.BytesIO(blob)).load()
+    if not isinstance(states, dict):
+        raise ValueError("a format-1 RNG state is not a dict")
+    return states  # set_rng_states takes its tuples, arrays and tensors as they are
+
+
 class RngState(Stateful):
-    """Python, numpy, torch and (when present) CUDA RNG states of this rank."""
+    """Python, numpy, torch and (when present) CUDA RNG states of this rank, as JSON."""
+
+    def __init__(self) -> None:
+        self._format1 = False
+
+    def prepare_load(self, manifest: dict[str, Any] | None) -> None:
+        """Read the next load as the checkpoint's state was written: a manifest without
+        ``state_format`` (format 1, or one re-signed since) holds the RNG as a pickle."""
+        self._format1 = int((manifest or {}).get("state_format") or 1) < STATE_FORMAT
 
     def state_dict(self) -> dict[str, Any]:
-        states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                                  "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states["cuda"] = torch.cuda.get_rng_state_all()
-        return {"blob": pickle.dumps(states)}
+        if self._format1:
+            return {"blob": b""}  # the key a format-1 checkpoint holds (a load template)
+        return {"json": json.dumps(rng_states(), allow_nan=False)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        states = pickle.loads(state_dict["blob"])
-        random.setstate(states["python"])
-        np.random.set_state(states["numpy"])
-        torch.set_rng_state(states["torch"])
-        if "cuda" in states and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(states["cuda"])
+        if "json" in state_dict:
+            set_rng_states(json.loads(state_dict["json"]))
+        else:
+            set_rng_states(decode_format1_rng(state_dict["blob"]))
+        self._format1 = False
 
 
 class GuardState(Stateful):

@@ -12,14 +12,18 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
-from orchestrator.agent.ranks import Rank, RankSet
+from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
+from orchestrator.agent.ranks import Rank, RankSet, RankSetup
+from orchestrator.agent.tasks import RootTaskFailed, RootTasks
 from orchestrator.agent.warm import WarmPool
 from orchestrator.logs import get_logger
 from orchestrator.protocol import (
@@ -38,13 +42,6 @@ from orchestrator.protocol import (
 _MAX_QUEUED_EVENTS = 10_000
 
 
-def free_port() -> int:
-    """A port free on this host right now (the next generation's rendezvous port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class Agent:
     def __init__(self, head_url: str, token: str, node_id: str, *, addr: str, procs: int,
                  run_dir: Path, orphan_timeout_s: float = 0.0) -> None:
@@ -53,7 +50,7 @@ class Agent:
         self.procs = procs
         self.run_dir = run_dir
         self.orphan_timeout_s = orphan_timeout_s
-        self.client = SupervisorClient(head_url, token)
+        self.client = SupervisorClient(head_url, token, node_id=node_id)
         self.log = get_logger("orchestrator.agent").bind(node=node_id)
         self.hub = LocalHub(on_event=self._on_worker_event)
         self.sock = LocalSocketServer(self.hub)
@@ -69,32 +66,45 @@ class Agent:
         self._exit = asyncio.Event()
         self._done_signals: set[int] = set()
         self._last_contact = time.monotonic()
-        self._free_port = free_port()
+        self.node_config = NodeConfig.unknown()
+        self._free_port = self.node_config.free_port()
         self.health = HealthWork(node_id, run_dir, self._rank_env, self._queue, self._renew_port)
 
     # -- main --------------------------------------------------------------------------------
     async def run(self) -> int:
+        """Run until told to exit (0) or until a root task fails (1: its error is logged with
+        its traceback and printed on stderr)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._exit.set)
         await self.sock.start()
+        failure: RootTaskFailed | None = None
         async with self.client:
-            tasks = [asyncio.create_task(c) for c in (
-                self._register_loop(), self._heartbeat_loop(), self._assignment_loop(),
-                self._event_loop(), self._orphan_watch())]
-            await self._exit.wait()
+            roots = RootTasks({
+                "register": self._register_loop(), "heartbeat": self._heartbeat_loop(),
+                "assignment": self._assignment_loop(), "events": self._event_loop(),
+                "orphan_watch": self._orphan_watch()})
+            try:
+                await roots.wait(self._exit)
+            except RootTaskFailed as exc:
+                failure = exc
+                self.log.error("agent root task failed; stopping", task=exc.name,
+                               error=f"{type(exc.error).__name__}: {exc.error}",
+                               exc_info=exc.error)
             await self.health.close()
             if self._warm_task is not None:
                 self._warm_task.cancel()
             await self.warm.retire()
             if self.ranks is not None and self.ranks.alive:
-                await self.ranks.stop(grace=10.0)
+                await self.ranks.stop(grace=10.0 if failure is None else 3.0)
             await self._flush_events(timeout=3.0)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await roots.cancel()
         await self.sock.close()
-        self.log.info("agent exiting")
+        self.log.info("agent exiting", failed=failure is not None)
+        if failure is not None:
+            # The launcher's capture of stderr (agents/<node>.out) shows it too.
+            print(f"agent {self.node_id}: {failure}", file=sys.stderr, flush=True)
+            return 1
         return 0
 
     def _contact(self) -> None:
@@ -122,8 +132,11 @@ class Agent:
                 continue
             resp = RegisterResponse.model_validate(data)
             self.heartbeat_s = resp.heartbeat_interval_s
+            self.node_config = NodeConfig.from_config(resp.config, self.node_id)
             self.config_path.parent.mkdir(parents=True, exist_ok=True)
             self.config_path.write_text(json.dumps(resp.config))
+            if self.ranks is None or not self.ranks.alive:
+                self._free_port = self.node_config.free_port()
             self._contact()
             self._registered.set()
             self.log.info("registered", head=self.client.head_url)
@@ -142,6 +155,8 @@ class Agent:
                 info.step, info.phase = beat.step, beat.phase
                 info.last_step_ts, info.beat_ts = beat.last_step_ts, beat.beat_ts
                 info.step_interval_max = beat.interval_max
+                info.progress = beat.progress if beat.progress in ("sdk", "hook") else None
+                info.finished = beat.finished
             infos.append(info)
         return infos
 
@@ -199,9 +214,7 @@ class Agent:
             if order.id not in self._done_signals:
                 self._done_signals.add(order.id)
                 if self.ranks is not None:
-                    sent = self.ranks.send_signal(order.rank, order.signal)
-                    self.log.warning("signal order", rank=order.rank, signal=order.signal,
-                                     sent=sent)
+                    await self._signal(order.rank, order.signal)
         current = self.ranks.generation if self.ranks is not None else None
         if a.action == "health" and a.health is not None:
             if self.ranks is not None and self.ranks.alive:
@@ -220,22 +233,42 @@ class Agent:
             await self._stop_ranks(report=True, generation=current)
             self._exit.set()
 
+    async def _signal(self, rank: int, sig: str) -> None:
+        """A signal order. SIGUSR1 asks for the rank's stacks: sent where faulthandler will
+        answer it, read from outside (py-spy) where it would kill or wait (a stopped rank)."""
+        assert self.ranks is not None
+        if sig == "SIGUSR1":
+            out = self.run_dir / "stacks" / f"gen{self.ranks.generation or 0:04d}-" \
+                                            f"rank{rank:05d}.txt"
+            how = await self.ranks.dump_stacks(rank, out)
+            self.log.warning("stack dump order", rank=rank, how=how)
+            return
+        sent = self.ranks.send_signal(rank, sig)
+        self.log.warning("signal order", rank=rank, signal=sig, sent=sent)
+
     def _rank_env(self) -> dict[str, str]:
-        env = {**os.environ, "ORCH_AGENT_SOCKET": self.sock.path,
-               "ORCH_CONFIG": str(self.config_path), "ORCH_NODE_ID": self.node_id,
-               "ORCH_HEARTBEAT_INTERVAL": str(self.heartbeat_s),
-               "ORCH_RUN_DIR": str(self.run_dir)}
-        env.pop("ORCH_TOKEN", None)  # ranks never see the control API token
+        """The environment every rank (and health-check rank) of this node starts from: the
+        agent's own minus the control-API token, the agent's ORCH_* variables, and the
+        preload hook's directory leading PYTHONPATH."""
+        env = ec.without_secrets(os.environ)
+        env.update(ec.AgentEnv(agent_socket=self.sock.path, config_path=str(self.config_path),
+                               node_id=self.node_id, heartbeat_interval_s=self.heartbeat_s,
+                               run_dir=str(self.run_dir)).to_env())
+        env["PYTHONPATH"] = preload_pythonpath(env.get("PYTHONPATH"))
+        env.pop(ec.HOOK_PID, None)
         return env
 
     def _renew_port(self) -> int:
         """A fresh rendezvous port after the network test used the last one."""
-        self._free_port = free_port()
+        self._free_port = self.node_config.free_port()
         return self._free_port
 
     async def _start_ranks(self, a: Assignment) -> None:
         self.hub.reset()
-        self.ranks = RankSet(a, self._rank_env(), self.run_dir / "logs", self._on_rank_exit)
+        nc = self.node_config
+        self.ranks = RankSet(a, self._rank_env(), self.run_dir / "logs", self._on_rank_exit,
+                             RankSetup(run_dir=self.run_dir, job=nc.job,
+                                       max_restarts=nc.max_restarts, workdir=nc.workdir))
         infos = await self.ranks.start(self.warm)
         self.log.info("ranks started", generation=a.generation, warm=self.ranks.warm_started,
                       ranks=[(i.rank, i.pid) for i in infos])
@@ -254,7 +287,7 @@ class Agent:
                     or not self.ranks.alive:
                 return
             await asyncio.sleep(0.5)
-        env = {k: v for k, v in os.environ.items() if k != "ORCH_TOKEN"}
+        env = ec.without_secrets(os.environ)
         try:
             await self.warm.fill(a.entrypoint[0], a.preload, a.nproc, env, die_with_parent)
         except OSError as exc:  # spares are an optimisation: never a failure
@@ -264,24 +297,21 @@ class Agent:
         if self.ranks is not None and self.ranks.alive:
             self.log.info("stopping ranks", generation=self.ranks.generation)
             await self.ranks.stop(grace=self._grace())
-        self._free_port = free_port()
+        self._free_port = self.node_config.free_port()
         if report and generation is not None:
             self._queue(RanksStopped(generation=generation, ts=time.time(),
                                      free_port=self._free_port))
 
     def _grace(self) -> float:
-        try:
-            cfg = json.loads(self.config_path.read_text())
-            return float(cfg["timeouts"]["stop_grace_s"])
-        except (OSError, KeyError, ValueError, TypeError):
-            return 10.0
+        return self.node_config.stop_grace_s
 
     async def _on_rank_exit(self, r: Rank, tail: list[str]) -> None:
         self.log.info("rank exited", rank=r.rank, exit_code=r.exit_code, signal=r.signal,
                       expected=self.ranks.stopping if self.ranks else None)
         self._queue(RankExit(generation=r.generation or 0,
-                             rank=r.rank, pid=r.process.pid, exit_code=r.exit_code,
-                             signal=r.signal, ts=time.time(), log_tail=tail))
+                             rank=r.rank, pid=r.pid, exit_code=r.exit_code,
+                             signal=r.signal, ts=time.time(), log_tail=tail,
+                             error=r.error[:4096] if r.error else None))
 
     def _on_worker_event(self, msg: dict[str, Any]) -> None:
         gen = self.ranks.generation if self.ranks is not None else 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import ssl
 from typing import Any
 
 import aiohttp
@@ -11,6 +13,9 @@ from tenacity import (
     stop_after_delay,
     wait_exponential,
 )
+
+from orchestrator.auth import is_node_credential, node_credential
+from orchestrator.logs import redact
 
 
 class SupervisorError(Exception):
@@ -31,13 +36,33 @@ def _transient(exc: BaseException) -> bool:
 
 
 class SupervisorClient:
-    def __init__(self, head_url: str, token: str) -> None:
+    """One agent's session with the supervisor.
+
+    ``token`` is the node's own credential (``orchestrator.auth.node_credential``), as the
+    launchers hand it over. Given the job secret instead (agents started by someone else
+    that mount the job's Secret), the client derives its node's credential from it and
+    ``node_id``. ``ca_file`` (default: ``ORCH_TLS_CA``): the CA bundle an https supervisor's
+    certificate is verified against, instead of the system's trust store.
+    """
+
+    def __init__(self, head_url: str, token: str, *, node_id: str | None = None,
+                 ca_file: str | None = None) -> None:
         self.head_url = head_url.rstrip("/")
+        if node_id is not None and token and not is_node_credential(token):
+            token = node_credential(token, node_id)
+        redact(token)
         self._headers = {"Authorization": f"Bearer {token}"}
+        self._ca_file = ca_file if ca_file is not None else os.environ.get("ORCH_TLS_CA")
         self._session: aiohttp.ClientSession | None = None
 
+    def _ssl(self) -> ssl.SSLContext | bool:
+        if not self.head_url.startswith("https://") or not self._ca_file:
+            return True  # aiohttp's default: verify against the system's trust store
+        return ssl.create_default_context(cafile=self._ca_file)
+
     async def __aenter__(self) -> SupervisorClient:
-        self._session = aiohttp.ClientSession(headers=self._headers)
+        self._session = aiohttp.ClientSession(
+            headers=self._headers, connector=aiohttp.TCPConnector(ssl=self._ssl()))
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agent.ranks import Rank, RankSet
+from orchestrator import envcontract as ec
+from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.health.context import NodeContext
 from orchestrator.health.runner import run_node_checks
 from orchestrator.logs import get_logger
@@ -84,8 +85,8 @@ class HealthWork:
         h = a.health
         assert h is not None and h.spec is not None
         out = self.run_dir / "health" / h.nonce
-        env = {**self._rank_env(), "ORCH_HEALTH_NET": json.dumps(h.spec),
-               "ORCH_HEALTH_OUT": str(out)}
+        env = {**self._rank_env(), **ec.health_env(h.spec, str(out))}
+        env.pop(ec.AGENT_SOCKET)  # no heartbeats: the preload hook stays out of the test
         exits: dict[int, str] = {}
 
         async def on_exit(r: Rank, tail: list[str]) -> None:
@@ -93,7 +94,7 @@ class HealthWork:
                 how = r.signal or f"exit code {r.exit_code}"
                 exits[r.rank] = f"rank {r.rank} ({how}): {' | '.join(tail[-_TAIL:])}"[-500:]
 
-        ranks = RankSet(a, env, out / "logs", on_exit)
+        ranks = RankSet(a, env, out / "logs", on_exit, RankSetup(run_dir=out))
         error = None
         try:
             await ranks.start()

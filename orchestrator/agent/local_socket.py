@@ -32,6 +32,8 @@ class BeatState:
     last_step_ts: float | None = None
     interval_max: float | None = None
     beat_ts: float | None = None
+    progress: str | None = None  # "sdk" or "hook": who counts this rank's steps
+    finished: bool = False  # the rank's last beat: it is tearing down
 
 
 @dataclass
@@ -55,6 +57,9 @@ class LocalHub:
             st.step, st.phase = msg.get("step"), msg.get("phase")
             st.last_step_ts, st.interval_max = msg.get("last_step_ts"), msg.get("interval_max")
             st.beat_ts = msg.get("ts")
+            progress = msg.get("progress")
+            st.progress = progress if progress in ("sdk", "hook") else None
+            st.finished = msg.get("finished") is True
             recs = msg.get("records") or []
             if recs:
                 if self.records_generation != st.generation:

@@ -1,5 +1,9 @@
-"""The ranks of one generation on this node: spawn with the torch.distributed environment,
-report each exit the moment ``waitpid`` returns, stop with SIGTERM then SIGKILL.
+"""The ranks of one generation on this node: spawn with torchrun's environment, report each
+exit the moment ``waitpid`` returns (with the rank's ``@record`` error file as its cause),
+stop with SIGTERM then SIGKILL.
+
+A rank that cannot be spawned at all (entrypoint not found, not executable) is reported as
+that rank's exit, with the OS error as its cause, the moment the spawn fails.
 """
 
 from __future__ import annotations
@@ -10,11 +14,22 @@ import os
 import signal as signal_mod
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.agent import stacks
+from orchestrator.agent.rank_env import (
+    error_file,
+    prepare_error_file,
+    rank_env,
+    read_error_file,
+)
 from orchestrator.agent.warm import WarmPool
 from orchestrator.protocol import Assignment, RankInfo
+
+# Exit codes of a rank that never started, as a shell reports them.
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
 
 _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 30
@@ -30,10 +45,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def warm_module(entrypoint: list[str]) -> str | None:
-    """``python -m MODULE ...`` entrypoints can start in a spare; others cannot."""
-    if len(entrypoint) >= 3 and entrypoint[1] == "-m":
-        return entrypoint[2]
+def warm_module(entrypoint: list[str]) -> tuple[str, list[str]] | None:
+    """``python [flags] -m MODULE ARGS...`` entrypoints can start in a spare, as (MODULE,
+    ARGS); others cannot. Flags are single-letter interpreter options such as -P or -u."""
+    for i, word in enumerate(entrypoint[1:], start=1):
+        if word == "-m":
+            if i + 1 < len(entrypoint):
+                return entrypoint[i + 1], entrypoint[i + 2:]
+            return None
+        if not (word.startswith("-") and len(word) == 2 and word[1].isalpha()):
+            return None
     return None
 
 
@@ -64,24 +85,51 @@ def tail_lines(path: Path, start_offset: int, n: int = _LOG_TAIL_LINES) -> list[
     return [line.decode(errors="replace") for line in data.splitlines()[-n:]]
 
 
+def spawn_error(entrypoint: list[str], exc: OSError) -> tuple[int, str]:
+    """(exit code, cause) of a spawn that failed, in the config's terms."""
+    exe = entrypoint[0] if entrypoint else ""
+    if isinstance(exc, FileNotFoundError):
+        return EXIT_NOT_FOUND, f"job.entrypoint {exe!r} not found ({exc.strerror})"
+    if isinstance(exc, PermissionError):
+        return EXIT_NOT_EXECUTABLE, f"job.entrypoint {exe!r} is not executable ({exc.strerror})"
+    return EXIT_NOT_EXECUTABLE, f"job.entrypoint {exe!r} could not start: {exc}"
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What the agent knows beyond the assignment: where ranks write and run."""
+
+    run_dir: Path
+    job: str = "job"
+    max_restarts: int = 0
+    workdir: Path | None = None  # None: the agent's own working directory
+
+
 @dataclass
 class Rank:
     rank: int
     local_rank: int
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | None  # None: the spawn failed
     log_path: Path
     log_offset: int
     started: float
     generation: int | None = None
     exit_code: int | None = None
     signal: str | None = None
+    error_path: Path | None = None
+    error: str | None = None  # the rank's own cause (error file, or the spawn's OS error)
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
 
     @property
     def alive(self) -> bool:
         return self.exit_code is None and self.signal is None
 
     def info(self) -> RankInfo:
-        return RankInfo(rank=self.rank, local_rank=self.local_rank, pid=self.process.pid,
+        return RankInfo(rank=self.rank, local_rank=self.local_rank, pid=self.pid,
                         alive=self.alive, exit_code=self.exit_code, signal=self.signal)
 
 
@@ -92,8 +140,9 @@ class RankSet:
     """One generation's ranks on this node."""
 
     def __init__(self, assignment: Assignment, base_env: dict[str, str], log_dir: Path,
-                 on_exit: ExitCallback) -> None:
+                 on_exit: ExitCallback, setup: RankSetup) -> None:
         self.assignment = assignment
+        self.setup = setup
         self.generation = assignment.generation
         self._base_env = base_env
         self._log_dir = log_dir
@@ -104,19 +153,9 @@ class RankSet:
         self.warm_started = False
 
     def _env(self, local_rank: int) -> dict[str, str]:
-        a = self.assignment
-        rank = a.rank_offset + local_rank
-        env = {**self._base_env, **a.env}
-        env.update({
-            "MASTER_ADDR": str(a.master_addr), "MASTER_PORT": str(a.master_port),
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(a.world_size),
-            "LOCAL_WORLD_SIZE": str(a.nproc), "GROUP_RANK": str(a.node_rank),
-            "NODE_RANK": str(a.node_rank), "ROLE_RANK": str(rank),
-            "TORCHELASTIC_RESTART_COUNT": str((a.generation or 1) - 1),
-            "TORCHELASTIC_RUN_ID": env.get("ORCH_JOB", "job"),
-            "PYTHONUNBUFFERED": "1",
-        })
-        return env
+        st = self.setup
+        return rank_env(self.assignment, local_rank, self._base_env, run_dir=st.run_dir,
+                        max_restarts=st.max_restarts, job=st.job)
 
     async def start(self, warm: WarmPool | None = None) -> list[RankInfo]:
         """Start every local rank: in pre-imported spares from ``warm`` when it holds one
@@ -128,9 +167,15 @@ class RankSet:
         if warm is not None and module is not None and a.preload:
             spares = warm.take(a.entrypoint[0], a.preload, a.nproc)
         self.warm_started = spares is not None
+        cwd = self.setup.workdir
+        if cwd is not None:
+            cwd.mkdir(parents=True, exist_ok=True)
         for local_rank in range(a.nproc):
             rank = a.rank_offset + local_rank
             log_path = self._log_dir / f"rank-{rank:05d}.log"
+            err_path = error_file(self.setup.run_dir, a.generation, rank)
+            prepare_error_file(err_path)
+            proc, failure = None, None
             with open(log_path, "ab") as log:
                 log.write(f"==== generation {a.generation} rank {rank} started "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
@@ -138,31 +183,69 @@ class RankSet:
                 offset = log.tell()
                 if spares:
                     proc = spares[local_rank]
-                    await WarmPool.hand_off(proc, module, a.entrypoint[3:],
-                                            self._env(local_rank), str(log_path))
+                    assert module is not None
+                    await WarmPool.hand_off(proc, module[0], module[1],
+                                            self._env(local_rank), str(log_path),
+                                            cwd=str(cwd or os.getcwd()))
                 else:
-                    proc = await asyncio.create_subprocess_exec(
-                        *a.entrypoint, env=self._env(local_rank),
-                        stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                        stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                        preexec_fn=_die_with_parent)
-            r = Rank(rank, local_rank, proc, log_path, offset, time.time(), a.generation)
+                    try:
+                        proc = await asyncio.create_subprocess_exec(
+                            *a.entrypoint, env=self._env(local_rank), cwd=cwd,
+                            stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+                    except (OSError, ValueError) as exc:
+                        failure = spawn_error(a.entrypoint, exc if isinstance(exc, OSError)
+                                              else OSError(str(exc)))
+                        log.write(f"{failure[1]}\n".encode())
+            r = Rank(rank, local_rank, proc, log_path, offset, time.time(), a.generation,
+                     error_path=err_path)
             self.ranks.append(r)
-            self._watchers.append(asyncio.create_task(self._watch(r)))
+            if failure is not None:
+                r.exit_code, r.error = failure
+                self._watchers.append(asyncio.create_task(self._report(r)))
+            else:
+                self._watchers.append(asyncio.create_task(self._watch(r)))
         return [r.info() for r in self.ranks]
 
     async def _watch(self, r: Rank) -> None:
+        assert r.process is not None
         code = await r.process.wait()
         if code < 0:
             r.signal = signal_name(code)
         r.exit_code = code if code >= 0 else None
-        await self._on_exit(r, tail_lines(r.log_path, r.log_offset))
+        tail = tail_lines(r.log_path, r.log_offset)
+        recorded = read_error_file(r.error_path) if r.error_path is not None else None
+        if recorded is not None:
+            # The script's own exception (torch's @record) is the cause: its traceback leads.
+            message, traceback = recorded
+            r.error = message
+            tail = [*traceback, *([message] if message not in traceback else [])]
+        r.tail = tail
+        await self._on_exit(r, tail)
+
+    async def _report(self, r: Rank) -> None:
+        """A rank that never started: report it like an exit, at once."""
+        r.tail = [r.error or ""]
+        await self._on_exit(r, r.tail)
+
+    async def dump_stacks(self, rank: int, out: Path) -> str:
+        """Stacks of ``rank`` into ``out``: SIGUSR1 (faulthandler) where the rank handles it
+        and can run, else py-spy from outside. Returns how ("signal", "py-spy", "none")."""
+        for r in self.ranks:
+            if r.rank == rank and r.alive and r.pid is not None:
+                if stacks.needs_outside_dump(r.pid):
+                    ok = await stacks.dump_outside(r.pid, out, label=f"rank {rank}")
+                    return "py-spy" if ok else "none"
+                os.kill(r.pid, signal_mod.SIGUSR1)
+                return "signal"
+        return "none"
 
     def send_signal(self, rank: int, sig: str) -> bool:
         for r in self.ranks:
-            if r.rank == rank and r.alive:
+            if r.rank == rank and r.alive and r.pid is not None:
                 try:
-                    os.kill(r.process.pid, getattr(signal_mod, sig))
+                    os.kill(r.pid, getattr(signal_mod, sig))
                     return True
                 except (ProcessLookupError, AttributeError):
                     return False
@@ -190,8 +273,8 @@ class RankSet:
 
     def _signal_all(self, sig: signal_mod.Signals) -> None:
         for r in self.ranks:
-            if r.alive:
+            if r.alive and r.pid is not None:
                 try:
-                    os.killpg(r.process.pid, sig)
+                    os.killpg(r.pid, sig)
                 except ProcessLookupError:
                     pass

@@ -39,8 +39,9 @@ class WarmPool:
         self.spares = [p for p in self.spares if p.returncode is None]
         args = [a for m in preload for a in ("--preload", m)]
         while len(self.spares) < count:
+            # -P: the working directory (a user's trainer.py) cannot shadow our modules.
             proc = await asyncio.create_subprocess_exec(
-                python, "-u", "-m", "orchestrator.worker.warm", *args, env=env,
+                python, "-P", "-u", "-m", "orchestrator.worker.warm", *args, env=env,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=lambda: (preexec(), os.nice(_NICE)))
@@ -60,11 +61,12 @@ class WarmPool:
 
     @staticmethod
     async def hand_off(proc: asyncio.subprocess.Process, module: str, argv: list[str],
-                       env: dict[str, str], log: str) -> None:
-        """Start the rank in a spare: its environment, argv and log file, on its stdin."""
+                       env: dict[str, str], log: str, *, cwd: str) -> None:
+        """Start the rank in a spare: its environment, argv, working directory and log
+        file, on its stdin."""
         assert proc.stdin is not None
         line = json.dumps({"module": module, "argv": argv, "env": env, "log": log,
-                           "cwd": os.getcwd()}) + "\n"
+                           "cwd": cwd}) + "\n"
         proc.stdin.write(line.encode())
         await proc.stdin.drain()
         proc.stdin.close()

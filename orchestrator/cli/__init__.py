@@ -25,7 +25,7 @@ app.add_typer(data_app, name="data")
 stability_app = typer.Typer(help="Training-stability detectors.", no_args_is_help=True,
                             context_settings=_CONTEXT)
 app.add_typer(stability_app, name="stability")
-ckpt_app = typer.Typer(help="List, verify and prune checkpoints (paths or s3:// URLs).",
+ckpt_app = typer.Typer(help="List, verify, prune and sign checkpoints (paths or s3:// URLs).",
                        no_args_is_help=True, context_settings=_CONTEXT)
 app.add_typer(ckpt_app, name="checkpoints")
 config_app = typer.Typer(help="Show the config: resolved values with descriptions and "
@@ -262,6 +262,11 @@ EndpointOpt = Annotated[str | None, typer.Option(
     help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3, else AWS).")]
 CkptUrlArg = Annotated[str, typer.Argument(
     help="A job's checkpoint root (<root>/<job>) or one step-XXXXXXXX directory.")]
+KeyFileOpt = Annotated[str | None, typer.Option(
+    help="The job's signing key file (default: ORCH_CHECKPOINT_KEY / ORCH_CHECKPOINT_KEY_FILE, "
+         "else checkpoint.key beside a local checkpoint root).")]
+TrustUnsignedOpt = Annotated[bool, typer.Option(
+    help="Accept unsigned checkpoints (older versions, imports) whose files verify.")]
 
 
 @ckpt_app.command("list")
@@ -272,21 +277,27 @@ def checkpoints_list(
         help="Read every file and check its checksum (default: sizes only).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="JSON rows.")] = False,
     endpoint_url: EndpointOpt = None,
+    key_file: KeyFileOpt = None,
+    trust_unsigned: TrustUnsignedOpt = False,
 ) -> None:
-    """Table of checkpoints: step, tier, size, age, verified."""
+    """Table of checkpoints: step, tier, size, age, signature, verified; exit 1 when a
+    committed one fails."""
     from orchestrator.cli.checkpoints import list_checkpoints, use_endpoint
 
     use_endpoint(endpoint_url)
-    raise typer.Exit(list_checkpoints(urls, checksums, json_out))
+    raise typer.Exit(list_checkpoints(urls, checksums, json_out, key_file, trust_unsigned))
 
 
 @ckpt_app.command("verify")
-def checkpoints_verify(url: CkptUrlArg, endpoint_url: EndpointOpt = None) -> None:
-    """Verify a checkpoint (or a job's newest one); exit 1 naming each bad file and why."""
+def checkpoints_verify(url: CkptUrlArg, endpoint_url: EndpointOpt = None,
+                       key_file: KeyFileOpt = None,
+                       trust_unsigned: TrustUnsignedOpt = False) -> None:
+    """Verify a checkpoint (or a job's newest one): signed, unsigned or forged, and every
+    file; exit 1 naming each bad file and why."""
     from orchestrator.cli.checkpoints import use_endpoint, verify_checkpoint
 
     use_endpoint(endpoint_url)
-    raise typer.Exit(verify_checkpoint(url))
+    raise typer.Exit(verify_checkpoint(url, key_file, trust_unsigned))
 
 
 @ckpt_app.command("prune")
@@ -296,13 +307,40 @@ def checkpoints_prune(
     keep_every: Annotated[int | None, typer.Option(
         min=1, help="Also keep every step that is a multiple of N.")] = None,
     dry_run: Annotated[bool, typer.Option(help="Only say what would go.")] = False,
+    checksums: Annotated[bool, typer.Option(
+        help="Read every file to decide which checkpoints verify (--no-checksums: sizes and "
+             "signatures only).")] = True,
+    remove_failing: Annotated[bool, typer.Option(
+        help="Also remove checkpoints that fail verification (default: report, leave).")
+    ] = False,
     endpoint_url: EndpointOpt = None,
+    key_file: KeyFileOpt = None,
+    trust_unsigned: TrustUnsignedOpt = False,
 ) -> None:
-    """Delete committed checkpoints beyond the retention rule, and stale debris."""
+    """Delete verified checkpoints beyond the retention rule, and stale debris. Only
+    checkpoints that verify count; failing ones are reported (exit 1) and left."""
     from orchestrator.cli.checkpoints import prune_checkpoints, use_endpoint
 
     use_endpoint(endpoint_url)
-    raise typer.Exit(prune_checkpoints(url, keep_last, keep_every, dry_run))
+    raise typer.Exit(prune_checkpoints(url, keep_last, keep_every, dry_run, checksums,
+                                       remove_failing, key_file, trust_unsigned))
+
+
+@ckpt_app.command("sign")
+def checkpoints_sign(
+    url: CkptUrlArg,
+    key_file: KeyFileOpt = None,
+    from_key_file: Annotated[str | None, typer.Option(
+        help="The key that signed them (checkpoints moved from another job).")] = None,
+    trust_unsigned: TrustUnsignedOpt = False,
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """Sign checkpoints with this job's key after they verify in full under the old key
+    (--from-key-file) or unsigned (--trust-unsigned): moving checkpoints between jobs."""
+    from orchestrator.cli.checkpoints import sign_checkpoints, use_endpoint
+
+    use_endpoint(endpoint_url)
+    raise typer.Exit(sign_checkpoints(url, key_file, from_key_file, trust_unsigned))
 
 
 @app.command()
@@ -320,6 +358,8 @@ def export(
     adapter_only: Annotated[bool, typer.Option(
         help="LoRA/QLoRA checkpoints: write the adapter alone in peft's format instead of "
              "merging it into the base.")] = False,
+    key_file: KeyFileOpt = None,
+    trust_unsigned: TrustUnsignedOpt = False,
 ) -> None:
     """Write a checkpoint's weights as a Llama-format directory (config.json, safetensors)."""
     from orchestrator.cli.checkpoints import export_hf, use_endpoint
@@ -327,7 +367,7 @@ def export(
 
     use_endpoint(endpoint_url)
     raise typer.Exit(export_hf(checkpoint, to_hf, canonical_dtype(dtype), tokenizer,
-                               adapter_only))
+                               key_file, trust_unsigned, adapter_only))
 
 
 def main() -> None:

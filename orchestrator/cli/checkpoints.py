@@ -1,9 +1,12 @@
-"""``orchestrator checkpoints list|verify|prune`` and ``orchestrator export``: printing only.
+"""``orchestrator checkpoints list|verify|prune|sign`` and ``orchestrator export``: printing
+only.
 
-The work is done by ``trainer.checkpoint.store`` / ``layout`` (torch-free) and, for the
-export, ``trainer.hf``. URLs are local paths or fsspec URLs (``s3://bucket/prefix/job``);
-S3 credentials come from the AWS environment chain, the endpoint from ``--endpoint-url``
-or AWS_ENDPOINT_URL_S3.
+The work is done by ``trainer.checkpoint.store`` / ``layout`` / ``signing`` (torch-free) and,
+for the export, ``trainer.hf``. URLs are local paths or fsspec URLs
+(``s3://bucket/prefix/job``); S3 credentials come from the AWS environment chain, the
+endpoint from ``--endpoint-url`` or AWS_ENDPOINT_URL_S3. The key that checks signatures is
+``--key-file``, else ORCH_CHECKPOINT_KEY / ORCH_CHECKPOINT_KEY_FILE, else ``checkpoint.key``
+beside a local checkpoint root (``<root>/<job>`` -> ``<root>/../checkpoint.key``).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 out = Console(soft_wrap=True)  # long URLs and problems stay on one greppable line
@@ -44,23 +49,46 @@ def _age(created: float | None) -> str:
         f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} d"
 
 
-def list_checkpoints(urls: list[str], checksums: bool, json_out: bool) -> int:
+def _trust(job_root: str, key_file: str | None, trust_unsigned: bool) -> Any:
+    """The ``Trust`` to check ``job_root``'s checkpoints with (see the module)."""
+    from trainer.checkpoint import signing
+
+    root = job_root.rstrip("/").rsplit("/", 1)[0] if "/" in job_root.rstrip("/") else job_root
+    return signing.trust_from(root, key_file=key_file, trust_unsigned=trust_unsigned)
+
+
+def _signature(outcome: str | None, trust: Any) -> str:
+    from trainer.checkpoint import signing
+
+    if outcome == signing.SIGNED:
+        return f"signed (key {trust.key_id})"
+    if outcome == signing.UNSIGNED:
+        return "unsigned" + (" (trusted: --trust-unsigned)" if trust.trust_unsigned else "")
+    return outcome or "-"
+
+
+def list_checkpoints(urls: list[str], checksums: bool, json_out: bool,
+                     key_file: str | None = None, trust_unsigned: bool = False) -> int:
+    """Exit 0 when every committed checkpoint listed verifies, 1 when one does not."""
+    from trainer.checkpoint import signing
     from trainer.checkpoint.store import describe, resolve
 
     rows = []
-    for url in urls:
-        try:
+    try:
+        for url in urls:
             root, _ = resolve(url)
-            rows += describe(root, checksums=checksums)
-        except (OSError, ValueError) as exc:
-            err.print(f"[red]error[/red] {exc}", highlight=False)
-            return 2
+            rows += describe(root, checksums=checksums,
+                             trust=_trust(root, key_file, trust_unsigned))
+    except (OSError, ValueError, signing.SigningKeyError) as exc:
+        err.print(f"[red]error[/red] {exc}", highlight=False)
+        return 2
     rows.sort(key=lambda r: (r.step, r.tier))
+    failing = [r for r in rows if r.committed and not r.verified]
     if json_out:
         print(json.dumps([r.__dict__ for r in rows], indent=2, default=list))
-        return 0
+        return 1 if failing else 0
     table = Table(title=", ".join(urls), title_justify="left")
-    for col in ("step", "tier", "size", "age", "verified"):
+    for col in ("step", "tier", "size", "age", "signature", "verified"):
         table.add_column(col, justify="right" if col in ("step", "size") else "left")
     for r in rows:
         if not r.committed:
@@ -68,18 +96,24 @@ def list_checkpoints(urls: list[str], checksums: bool, json_out: bool) -> int:
         elif r.verified:
             verified = "[green]yes[/green]" if checksums else "[green]sizes ok[/green]"
         else:
-            verified = f"[red]NO[/red]: {r.problems[0]}" + \
+            verified = f"[red]NO[/red]: {escape(r.problems[0])}" + \
                 (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else "")
-        table.add_row(str(r.step), r.tier, _size(r.size), _age(r.created), verified)
+        sig = r.signature if r.committed else "-"
+        table.add_row(str(r.step), r.tier, _size(r.size), _age(r.created), escape(sig or "-"),
+                      verified)
     out.print(table)
     if not checksums and rows:
-        out.print("sizes checked; --checksums reads every file and checks its checksum",
-                  style="dim")
-    return 0
+        out.print("sizes and signatures checked; --checksums reads every file and checks its "
+                  "digest", style="dim")
+    if failing:
+        err.print(f"[red]{len(failing)} committed checkpoint(s) fail verification[/red]: "
+                  f"steps {', '.join(str(r.step) for r in failing)}", highlight=False)
+    return 1 if failing else 0
 
 
-def verify_checkpoint(url: str) -> int:
-    from trainer.checkpoint import layout
+def verify_checkpoint(url: str, key_file: str | None = None,
+                      trust_unsigned: bool = False) -> int:
+    from trainer.checkpoint import layout, signing
     from trainer.checkpoint.store import resolve
 
     try:
@@ -91,24 +125,31 @@ def verify_checkpoint(url: str) -> int:
                 return 1
             step = committed[-1].step
         target = layout.step_url(root, step)
-        result = layout.verify(target)
-    except (OSError, ValueError) as exc:
+        trust = _trust(root, key_file, trust_unsigned)
+        result = layout.verify(target, trust=trust)
+    except (OSError, ValueError, signing.SigningKeyError) as exc:
         err.print(f"[red]error[/red] {exc}", highlight=False)
         return 2
     if result.ok:
         files = (result.manifest or {}).get("files", {})
         size = sum(f["size"] for f in files.values())
         out.print(f"[green]OK[/green] {target}: step {step}, {len(files)} files, {_size(size)}, "
-                  "every size and checksum matches the manifest", highlight=False)
+                  f"{_signature(result.signature, trust)}, every size and digest matches the "
+                  "manifest", highlight=False)
         return 0
-    err.print(f"[red]FAILED[/red] {target}: {len(result.problems)} problem(s)", highlight=False)
+    err.print(f"[red]FAILED[/red] {target}: {_signature(result.signature, trust)}, "
+              f"{len(result.problems)} problem(s)", highlight=False)
     for problem in result.problems:
         err.print(f"  {problem}", highlight=False, markup=False)
     return 1
 
 
-def prune_checkpoints(url: str, keep_last: int, keep_every: int | None, dry_run: bool) -> int:
-    from trainer.checkpoint import layout
+def prune_checkpoints(url: str, keep_last: int, keep_every: int | None, dry_run: bool,
+                      checksums: bool = True, remove_failing: bool = False,
+                      key_file: str | None = None, trust_unsigned: bool = False) -> int:
+    """Only checkpoints that verify count toward the rule; failing ones are listed and left
+    (``remove_failing`` removes them). Exit 1 when some fail, after pruning."""
+    from trainer.checkpoint import layout, signing
     from trainer.checkpoint.store import resolve
 
     try:
@@ -116,39 +157,90 @@ def prune_checkpoints(url: str, keep_last: int, keep_every: int | None, dry_run:
         if step is not None:
             err.print("[red]error[/red] prune takes a job root, not one step directory")
             return 2
-        removed = layout.prune(root, keep_last, keep_every, dry_run=dry_run)
-    except (OSError, ValueError) as exc:
+        plan = layout.plan_prune(root, keep_last, keep_every,
+                                 trust=_trust(root, key_file, trust_unsigned),
+                                 checksums=checksums, remove_failing=remove_failing)
+        if not dry_run:
+            layout.execute_prune(plan)
+    except (OSError, ValueError, signing.SigningKeyError) as exc:
         err.print(f"[red]error[/red] {exc}", highlight=False)
         return 2
     verb = "would remove" if dry_run else "removed"
-    out.print(f"{root}: {verb} {len(removed)} checkpoint(s)"
-              + (f": steps {', '.join(map(str, removed))}" if removed else ""), highlight=False)
-    return 0
+    out.print(f"{root}: {verb} {len(plan.remove)} checkpoint(s)"
+              + (f": steps {', '.join(map(str, plan.remove))}" if plan.remove else "")
+              + f"; {'would keep' if dry_run else 'kept'} "
+              + (f"steps {', '.join(map(str, plan.keep))}" if plan.keep else "none"),
+              highlight=False)
+    for s, problems in sorted(plan.failing.items()):
+        fate = ("would remove" if dry_run else "removed") if remove_failing else \
+            "not counted, left in place (--remove-failing removes it)"
+        err.print(f"[red]failing[/red] step {s}: {escape(problems[0])}"
+                  + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+                  + f": {escape(fate)}", highlight=False)
+    return 1 if plan.failing else 0
+
+
+def sign_checkpoints(url: str, key_file: str | None, from_key_file: str | None,
+                     trust_unsigned: bool) -> int:
+    """Re-sign a checkpoint (a step directory) or every committed one of a job root with
+    this job's key, each after it verifies in full under the old key (``--from-key-file``)
+    or as unsigned (``--trust-unsigned``)."""
+    from trainer.checkpoint import layout, signing
+    from trainer.checkpoint.store import resolve
+
+    try:
+        root, step = resolve(url)
+        new = _trust(root, key_file, False)
+        if new.key is None:
+            err.print(f"[red]error[/red] no key to sign with: {new.source} does not exist "
+                      f"(pass --key-file or set {signing.KEY_FILE_ENV})", highlight=False)
+            return 2
+        old = signing.Trust(signing.read_key_file(from_key_file) if from_key_file else None,
+                            trust_unsigned, from_key_file or "")
+        steps = [step] if step is not None else \
+            [c.step for c in layout.list_checkpoints(root) if c.committed]
+        failed = 0
+        for s in steps:
+            target = layout.step_url(root, s)
+            result = layout.resign(target, new.key, old)
+            if result.ok:
+                out.print(f"[green]signed[/green] {target} with key {new.key_id} (was "
+                          f"{result.signature})", highlight=False)
+            else:
+                failed += 1
+                err.print(f"[red]not signed[/red] {target}: "
+                          f"{escape('; '.join(result.problems))}", highlight=False)
+    except (OSError, ValueError, signing.SigningKeyError) as exc:
+        err.print(f"[red]error[/red] {exc}", highlight=False)
+        return 2
+    return 1 if failed or not steps else 0
 
 
 def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None,
+              key_file: str | None = None, trust_unsigned: bool = False,
               adapter_only: bool = False) -> int:
-    from trainer.checkpoint import layout
+    from trainer.checkpoint import layout, signing
     from trainer.checkpoint.store import resolve
 
     try:
         root, step = resolve(checkpoint)
+        trust = _trust(root, key_file, trust_unsigned)
         if step is None:
             def skipped(info: layout.CheckpointInfo, problems: list[str]) -> None:
-                err.print(f"[yellow]skipped[/yellow] step {info.step}: {'; '.join(problems)}",
-                          highlight=False)
+                err.print(f"[yellow]skipped[/yellow] step {info.step}: "
+                          f"{escape('; '.join(problems))}", highlight=False)
 
-            found = layout.newest_verified(root, on_skip=skipped)
+            found = layout.newest_verified(root, on_skip=skipped, trust=trust)
             if found is None:
                 err.print(f"[red]error[/red] {root}: no committed checkpoint verifies")
                 return 1
             target, manifest = found[0].url, found[1]
         else:
             target = layout.step_url(root, step)
-            result = layout.verify(target)
+            result = layout.verify(target, trust=trust)
             if not result.ok or result.manifest is None:
                 err.print(f"[red]error[/red] {target} fails verification: "
-                          f"{'; '.join(result.problems)}", highlight=False)
+                          f"{escape('; '.join(result.problems))}", highlight=False)
                 return 1
             manifest = result.manifest
         if manifest.get("finetune") or adapter_only:  # LoRA/QLoRA: adapters only
@@ -159,7 +251,7 @@ def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None,
             extra = {}
         export_checkpoint(target, manifest, to_hf, dtype=dtype, tokenizer=tokenizer,
                           log=lambda m: out.print(m, highlight=False), **extra)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, signing.SigningKeyError) as exc:
         err.print(f"[red]error[/red] {exc}", highlight=False)
         return 1
     return 0

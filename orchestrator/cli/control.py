@@ -14,6 +14,7 @@ from rich.console import Console
 
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.cli.liveness import resume_command
+from orchestrator.envcontract import TOKEN, read_token
 from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
 from orchestrator.status import load_view
@@ -107,11 +108,11 @@ def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,
     from orchestrator.agent.agent import Agent
     from orchestrator.logs import configure_logging
 
-    token = os.environ.get("ORCH_TOKEN", "")
+    token = read_token(os.environ) or ""
     if token_file is not None:
         token = token_file.read_text().strip()
     if not token:
-        console.print("[red]error[/red] no token: set ORCH_TOKEN or pass --token-file")
+        console.print(f"[red]error[/red] no token: set {TOKEN} or pass --token-file")
         return 2
     run_dir = run_dir.expanduser().resolve()
     configure_logging(run_dir / "agents" / f"{node_id}.log", component="agent",

@@ -47,6 +47,26 @@ class JobConfig(Section):
         ),
     )
     run_root: str = Field("runs", description="Where `up` creates run directories.")
+    workdir: str | None = Field(
+        None,
+        description=(
+            "Working directory of every rank (created if missing; relative paths are taken "
+            "from the agent's directory). `{node_id}` is replaced by the node's id: with the "
+            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files. "
+            "Default: the agent's own working directory, as torchrun does."
+        ),
+    )
+    master_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Fixed MASTER_PORT of the rendezvous (default: a free port per launch).",
+    )
+    master_port_range: tuple[int, int] | None = Field(
+        None,
+        description=(
+            "Inclusive [low, high] range MASTER_PORT is picked from (a free port in it, for "
+            "firewalls that open only a range). Exclusive with master_port."
+        ),
+    )
 
     @field_validator("name")
     @classmethod
@@ -61,13 +81,41 @@ class JobConfig(Section):
     @field_validator("env")
     @classmethod
     def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
-        secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.I)]
+        # The checkpoint signing key too (its *file*'s path, ORCH_CHECKPOINT_KEY_FILE, is fine).
+        secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.I)
+                  or k.upper() == "ORCH_CHECKPOINT_KEY"]
         if secret:
             raise ValueError(
                 f"secrets never come from the config file ({', '.join(sorted(secret))}); "
                 "pass them through the environment of `orchestrator up`"
             )
         return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _check_workdir(cls, v: str | None) -> str | None:
+        if v is not None:
+            if not v.strip() or "\0" in v:
+                raise ValueError("must be a non-empty path")
+            try:
+                v.format(node_id="n")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"only {{node_id}} may be substituted ({exc})") from None
+        return v
+
+    @field_validator("master_port_range")
+    @classmethod
+    def _check_range(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and not 1024 <= v[0] <= v[1] <= 65535:
+            raise ValueError("must be [low, high] with 1024 <= low <= high <= 65535")
+        return v
+
+    @model_validator(mode="after")
+    def _one_port_setting(self) -> JobConfig:
+        if self.master_port is not None and self.master_port_range is not None:
+            raise FieldError("master_port_range", "set master_port or master_port_range, "
+                                                  "not both")
+        return self
 
 
 class SSHConfig(Section):
@@ -208,7 +256,12 @@ class RestartConfig(Section):
 class MetricsConfig(Section):
     """The supervisor's HTTP endpoint: control API, /metrics, /healthz."""
 
-    host: str = Field("0.0.0.0", description="Interface the supervisor listens on.")
+    host: str | None = Field(
+        None,
+        description="Interface the supervisor listens on. Default: the address agents must "
+        "reach: loopback (127.0.0.1) for the local launcher, every interface (0.0.0.0) for "
+        "agents on other hosts (serve TLS then, see `api.tls_cert`).",
+    )
     port: int = Field(
         9410, ge=0, le=65535,
         description="Port (0 picks a free one, written to the run dir). Not 9400: that is the "
@@ -226,6 +279,50 @@ class MetricsConfig(Section):
         description="Keep serving /metrics this long after the job has ended, so Prometheus "
         "scrapes the final state and books (set it above the scrape interval).",
     )
+
+
+class ApiConfig(Section):
+    """Bounds and transport of the control API (what one request may cost the supervisor)."""
+
+    max_body_mb: float = Field(
+        32, gt=0, le=1024,
+        description="Largest request body (a heartbeat carrying 100k step records is ~10 MB).",
+    )
+    max_json_depth: int = Field(
+        32, ge=4, le=200,
+        description="Deepest nesting of free-form JSON in a message (health details); typed "
+        "fields are bounded by their models, and the parser stops at 200 whatever this says.",
+    )
+    header_timeout_s: float = Field(
+        15, gt=0, le=3600,
+        description="A connection that does not finish a request's headers this long after "
+        "it opened (or after its last response) is closed.",
+    )
+    max_nodes: int = Field(
+        4096, ge=1,
+        description="Nodes that may register; registrations past it are refused.",
+    )
+    max_step_interval_s: float = Field(
+        3600, gt=0, le=7 * 86400,
+        description="Largest step interval a rank may report: the hang timeout calibrates "
+        "from it, so a larger one is refused rather than believed.",
+    )
+    tls_cert: str | None = Field(
+        None, description="PEM certificate: serve the API over HTTPS (with `tls_key`)."
+    )
+    tls_key: str | None = Field(None, description="PEM private key of `tls_cert`.")
+    tls_ca: str | None = Field(
+        None,
+        description="PEM CA bundle agents verify the supervisor's certificate with (default: "
+        "the system's trust store). Handed to agents as ORCH_TLS_CA.",
+    )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ApiConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise FieldError("tls_key" if self.tls_key is None else "tls_cert",
+                             "tls_cert and tls_key go together")
+        return self
 
 
 class KillSpec(Section):
@@ -272,6 +369,7 @@ class Config(Section):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     restart: RestartConfig = Field(default_factory=RestartConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

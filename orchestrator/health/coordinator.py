@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import events as ev
+from orchestrator.envcontract import JOB
 from orchestrator.health import catalog
 from orchestrator.health.base import (
     CheckResult,
@@ -280,9 +281,9 @@ class HealthCoordinator:
             await self._assign(node, order, node_rank=i, nproc=ppn, world_size=len(nodes) * ppn,
                                rank_offset=i * ppn, master_addr=master.addr,
                                master_port=master.free_port,
-                               entrypoint=[default_python(self.ctx.cfg), "-m",
+                               entrypoint=[default_python(self.ctx.cfg), "-P", "-m",
                                            "orchestrator.health.netcheck"],
-                               env={**self.ctx.cfg.job.env, "ORCH_JOB": self.ctx.cfg.job.name})
+                               env={**self.ctx.cfg.job.env, JOB: self.ctx.cfg.job.name})
         ids = [n.node_id for n in nodes]
         reports = await self._collect(nonce, "network", ids, timeout + _NET_STARTUP_S + 10.0)
         measured, errors = None, []

@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from orchestrator.envcontract import read_health_env
 from orchestrator.health.network import ring_rounds
 
 
@@ -111,9 +112,9 @@ def summarize(table: list[dict[str, Any]], nodes: list[str], ppn: int,
 
 
 def main() -> int:
-    spec = json.loads(os.environ["ORCH_HEALTH_NET"])
+    spec, out_dir = read_health_env(os.environ)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = Path(os.environ["ORCH_HEALTH_OUT"]) / f"rank-{rank:05d}.json"
+    out = Path(out_dir) / f"rank-{rank:05d}.json"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     import torch.distributed as dist
 

@@ -48,7 +48,8 @@ async def run_node_checks(ctx: NodeContext, *, python: str | None = None,
 async def _one_child(ctx: NodeContext, python: str, startup_s: float) -> list[CheckResult]:
     """Run checks until the child finishes, overruns or dies; one result per check tried."""
     proc = await asyncio.create_subprocess_exec(
-        python, "-m", "orchestrator.health.child", stdin=asyncio.subprocess.PIPE,
+        # -P: a user's trainer.py in the working directory cannot shadow our modules.
+        python, "-P", "-m", "orchestrator.health.child", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None

@@ -1,8 +1,9 @@
 """Launchers start ``orchestrator agent --head URL`` on every node; nothing more.
 
 Training itself runs on torch.distributed; the launcher only gets one agent per node
-running with the job's token in its environment (never on its command line, where ``ps``
-would show it).
+running with *its own* credential in its environment (never on its command line, where
+``ps`` would show it): ``HMAC(job secret, node id)`` from ``orchestrator.auth``, so an agent
+can speak for its own node only and never holds the job secret.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.auth import node_credential
 from orchestrator.config.schema import Config
+from orchestrator.envcontract import token_env
 from orchestrator.rundir import RunDir
 
 
@@ -25,9 +28,12 @@ class AgentSpec:
     """What every agent needs: where the supervisor is and how to prove it is ours."""
 
     head_url: str
-    token: str
+    token: str  # the job secret: launchers hand each agent ``credential(node_id)`` instead
     run_dir: RunDir
     python: str
+
+    def credential(self, node_id: str) -> str:
+        return node_credential(self.token, node_id)
 
 
 class Launcher(abc.ABC):
@@ -42,6 +48,13 @@ class Launcher(abc.ABC):
     @property
     def wanted_nodes(self) -> int:
         return self.cfg.cluster.nodes + self.cfg.cluster.spares
+
+    def agent_env(self, spec: AgentSpec, node_id: str) -> dict[str, str]:
+        """The variables an agent gets from its launcher: its credential, the CA bundle."""
+        env = token_env(spec.credential(node_id))
+        if self.cfg.api.tls_ca:
+            env["ORCH_TLS_CA"] = self.cfg.api.tls_ca
+        return env
 
     @abc.abstractmethod
     async def start(self, spec: AgentSpec) -> None:
@@ -59,9 +72,14 @@ class Launcher(abc.ABC):
         """Wait up to ``timeout`` for agents to exit (they were told to), then stop them."""
 
 
+# Our own processes run with a sys.path the working directory cannot shadow (Python 3.11's
+# -P): `up` started in a directory holding a user's `trainer.py` must not break the agents.
+SAFE_PATH = "-P"
+
+
 def agent_command(spec: AgentSpec, node_id: str, *, addr: str, procs: int,
                   orphan_timeout_s: float) -> list[str]:
-    return [spec.python, "-m", "orchestrator", "agent",
+    return [spec.python, SAFE_PATH, "-m", "orchestrator", "agent",
             "--head", spec.head_url, "--node-id", node_id, "--addr", addr,
             "--procs", str(procs), "--run-dir", str(spec.run_dir.root),
             "--orphan-timeout", str(orphan_timeout_s)]

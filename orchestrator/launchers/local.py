@@ -31,7 +31,7 @@ class LocalLauncher(Launcher):
     def _spawn(self, spec: AgentSpec, node_id: str) -> None:
         spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
         out = open(spec.run_dir.agents / f"{node_id}.out", "ab")
-        env = {**os.environ, "ORCH_TOKEN": spec.token, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.agent_env(spec, node_id), "PYTHONUNBUFFERED": "1"}
         cmd = agent_command(spec, node_id, addr="127.0.0.1",
                             procs=self.cfg.cluster.procs_per_node,
                             orphan_timeout_s=LOCAL_ORPHAN_TIMEOUT_S)

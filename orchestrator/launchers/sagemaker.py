@@ -195,7 +195,9 @@ class SageMakerLauncher(Launcher):
         spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
         cmd = agent_command(spec, host, addr=host, procs=self.cfg.cluster.procs_per_node,
                             orphan_timeout_s=SAGEMAKER_ORPHAN_TIMEOUT_S)
-        env = {**os.environ, "ORCH_TOKEN": spec.token, "PYTHONUNBUFFERED": "1"}
+        # This host's agent gets its node's credential, not the job secret (other hosts'
+        # agents derive theirs from the secret in the job's environment: SupervisorClient).
+        env = {**os.environ, **self.agent_env(spec, host), "PYTHONUNBUFFERED": "1"}
         with open(spec.run_dir.agents / f"{host}.out", "ab") as out:
             self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)

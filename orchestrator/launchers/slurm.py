@@ -3,8 +3,10 @@
 Run ``orchestrator up`` inside ``salloc``/``sbatch``: the nodes come from
 ``SLURM_JOB_NODELIST``, and one ``srun`` step starts ``agents_per_node`` agents on each (one
 for a real cluster; more lets a single machine act as several nodes in tests). Each agent's
-node id is ``slurm-<SLURM_PROCID>``; the token reaches the tasks through srun's environment
-(``--export=ALL``), never through the command line.
+node id is ``slurm-<SLURM_PROCID>``, known only inside the task, so each node's credential is
+written beforehand to ``<run dir>/agents/credentials/<node id>`` (0600, on the allocation's
+shared filesystem) and the task's shell reads its own into ``ORCH_TOKEN``: never on a command
+line, and the job secret never reaches the tasks.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ import shlex
 import shutil
 import subprocess
 
+from orchestrator.envcontract import TOKEN
 from orchestrator.events import AgentSpawned
-from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
+from orchestrator.launchers.base import (
+    SAFE_PATH,
+    AgentSpec,
+    Launcher,
+    pid_alive,
+    terminate_pids,
+)
 from orchestrator.launchers.ssh import REMOTE_ORPHAN_TIMEOUT_S
 
 
@@ -37,19 +46,24 @@ class SlurmLauncher(Launcher):
 
     def _agent_script(self, spec: AgentSpec, node_id: str) -> str:
         slurm = self.cfg.launcher.slurm
-        words = [spec.python, "-m", "orchestrator", "agent", "--head", spec.head_url,
+        words = [spec.python, SAFE_PATH, "-m", "orchestrator", "agent",
+                 "--head", spec.head_url,
                  "--procs", str(self.cfg.cluster.procs_per_node),
                  "--run-dir", str(spec.run_dir.root),
                  "--orphan-timeout", str(REMOTE_ORPHAN_TIMEOUT_S)]
+        creds = shlex.quote(str(spec.run_dir.credentials))
         # node id and address are expanded by each task's shell, from its own environment.
-        return (f"exec {' '.join(shlex.quote(w) for w in words)} --node-id {node_id} "
+        return (f"IFS= read -r {TOKEN} < {creds}/{node_id} && export {TOKEN} && "
+                f"exec {' '.join(shlex.quote(w) for w in words)} --node-id {node_id} "
                 f"--addr {slurm.addr}")
 
     def _srun(self, spec: AgentSpec, args: list[str], node_id: str, name: str) -> None:
         if shutil.which("srun") is None:
             raise RuntimeError("launcher.kind slurm needs srun on the PATH")
-        env = {**os.environ, "ORCH_TOKEN": spec.token}
+        env = {k: v for k, v in os.environ.items() if k != TOKEN}
         env.update(self.cfg.job.env)
+        if self.cfg.api.tls_ca:
+            env["ORCH_TLS_CA"] = self.cfg.api.tls_ca
         spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
         out = open(spec.run_dir.agents / f"{name}.srun.log", "ab")
         cmd = ["srun", "--export=ALL", "--kill-on-bad-exit=0", "--job-name=orchestrator-agent",
@@ -73,6 +87,10 @@ class SlurmLauncher(Launcher):
             raise RuntimeError(f"the allocation has {len(hosts)} node(s) x {per_node} agent(s); "
                                f"the job needs {wanted} (cluster.nodes + cluster.spares)")
         nodes = math.ceil(wanted / per_node)
+        for i in range(wanted):
+            # One line: the task's `read` fails on a last line with no newline.
+            spec.run_dir.write_secret(spec.run_dir.credentials / f"slurm-{i}",
+                                      spec.credential(f"slurm-{i}") + "\n")
         self._srun(spec, [f"--nodes={nodes}", f"--ntasks={wanted}",
                           f"--ntasks-per-node={per_node}"], "slurm-$SLURM_PROCID", "srun")
 
@@ -85,6 +103,8 @@ class SlurmLauncher(Launcher):
         """One more srun task for a lost node id (on any node of the allocation)."""
         if not node_id.startswith("slurm-"):
             return False
+        spec.run_dir.write_secret(spec.run_dir.credentials / node_id,
+                                  spec.credential(node_id) + "\n")
         self._srun(spec, ["--nodes=1", "--ntasks=1", "--overlap"], shlex.quote(node_id),
                    node_id)
         return True

@@ -1,6 +1,6 @@
 """The SSH launcher: one ``orchestrator agent`` per host, over ``ssh``.
 
-The token travels on the ssh session's stdin (read into the agent's environment by the
+The node's credential travels on the ssh session's stdin (read into the agent's environment by the
 remote shell), never on a command line where ``ps`` on either side would show it. The job's
 environment (``job.env``, plus ``PYTHONPATH`` when the head has one) is set on the remote
 command. Hosts come from ``launcher.ssh.hosts`` or a hostfile (one ``[user@]host[:port]`` a
@@ -18,8 +18,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.envcontract import TOKEN
 from orchestrator.events import AgentSpawned
-from orchestrator.launchers.base import AgentSpec, Launcher, pid_alive, terminate_pids
+from orchestrator.launchers.base import (
+    SAFE_PATH,
+    AgentSpec,
+    Launcher,
+    pid_alive,
+    terminate_pids,
+)
 
 # Remote agents outlive a dead supervisor (so training goes on) but not forever.
 REMOTE_ORPHAN_TIMEOUT_S = 900.0
@@ -90,12 +97,14 @@ class SSHLauncher(Launcher):
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         env_words = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
         agent = " ".join(shlex.quote(w) for w in [
-            spec.python, "-m", "orchestrator", "agent", "--head", spec.head_url,
+            spec.python, SAFE_PATH, "-m", "orchestrator", "agent", "--head", spec.head_url,
             "--node-id", node_id, "--addr", host.host,
             "--procs", str(self.cfg.cluster.procs_per_node),
             "--run-dir", str(spec.run_dir.root),
             "--orphan-timeout", str(REMOTE_ORPHAN_TIMEOUT_S)])
-        return (f"IFS= read -r ORCH_TOKEN && export ORCH_TOKEN && "
+        if self.cfg.api.tls_ca:
+            env_words += f" ORCH_TLS_CA={shlex.quote(self.cfg.api.tls_ca)}"
+        return (f"IFS= read -r {TOKEN} && export {TOKEN} && "
                 f"exec env {env_words} {agent}")
 
     def _spawn(self, spec: AgentSpec, node_id: str, host: Host) -> None:
@@ -106,7 +115,7 @@ class SSHLauncher(Launcher):
                                 start_new_session=True)
         out.close()
         assert proc.stdin is not None
-        proc.stdin.write((spec.token + "\n").encode())
+        proc.stdin.write((spec.credential(node_id) + "\n").encode())
         proc.stdin.close()
         self._procs[node_id] = proc
         self._by_node[node_id] = host

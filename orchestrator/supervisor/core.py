@@ -137,7 +137,7 @@ class Supervisor:
 
         server = ApiServer(self)
         port = await server.start(self.cfg.metrics.host, self._listen_port())
-        self.url = f"http://{self.advertise_host}:{port}"
+        self.url = f"{server.scheme}://{self.advertise_host}:{port}"
         self.rundir.write_json(self.rundir.supervisor_info, {
             "pid": os.getpid(), "url": self.url, "port": port, "host": self.advertise_host,
             "started": self.clock.time()})

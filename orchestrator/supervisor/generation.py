@@ -10,7 +10,6 @@ through the recorder). Every deadline and sleep reads the one clock.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,23 +108,29 @@ class GenerationParts:
         # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
         endpoint = self.cfg.checkpoint.endpoint_url
         resume_max = self.stability.resume_max_step
+        # The job's checkpoint signing key (a path, never the key itself: the assignment is
+        # journaled); generated once into the run directory at 0600 when none is given.
+        from orchestrator.envcontract import GenerationEnv
+        from trainer.checkpoint import signing
+
         return {
             **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
             **self.cfg.job.env,
-            "ORCH_JOB": self.cfg.job.name,
-            "ORCH_GENERATION": str(generation),
-            "ORCH_CHECKPOINT_ROOT": self.ctx.checkpoint_root,
-            "ORCH_SKIP_WINDOWS": json.dumps(self.ctx.view.skip_windows),
-            "ORCH_LR_SCALE": repr(self.ctx.view.lr_scale),
-            # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
-            "ORCH_RESUME_MAX_STEP": "" if resume_max is None else str(resume_max),
-            "ORCH_COLLECTIVE_TIMEOUT_S": str(round(collective_timeout_s(
-                self.cfg.timeouts, self.intake.training_timeout), 1)),
-            "ORCH_CHAOS": json.dumps({"poison_batches": chaos.poison_batches,
-                                      "fail_at_start_rank": chaos.fail_at_start_rank,
-                                      "slow_checkpoint_s": chaos.slow_checkpoint_s,
-                                      "slow_first_step_s": chaos.slow_first_step_s,
-                                      "kills": self.intake.chaos.pending()}),
+            **signing.generation_env(self.ctx.rundir.root, self.cfg.job.env),
+            **GenerationEnv(
+                job=self.cfg.job.name, generation=generation,
+                checkpoint_root=self.ctx.checkpoint_root,
+                skip_windows=self.ctx.view.skip_windows, lr_scale=self.ctx.view.lr_scale,
+                # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
+                resume_max_step=resume_max,
+                collective_timeout_s=collective_timeout_s(self.cfg.timeouts,
+                                                          self.intake.training_timeout),
+                chaos={"poison_batches": chaos.poison_batches,
+                       "fail_at_start_rank": chaos.fail_at_start_rank,
+                       "slow_checkpoint_s": chaos.slow_checkpoint_s,
+                       "slow_first_step_s": chaos.slow_first_step_s,
+                       "kills": self.intake.chaos.pending()},
+            ).to_env(),
         }
 
     # -- observe -----------------------------------------------------------------------------

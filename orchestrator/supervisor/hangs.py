@@ -90,9 +90,13 @@ def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTime
 
 def any_overdue(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
                 now: float) -> bool:
-    """Whether any rank is past its phase's timeout, from the rank idle longest in each
-    phase (O(phases), not O(ranks)): ``find_hangs`` then names and orders the suspects."""
+    """Whether any rank may be past its phase's timeout, from the rank idle longest in each
+    phase (O(phases), not O(ranks)): ``find_hangs`` then names and orders the suspects (and
+    applies the longer limit of a finishing rank). Ranks judged by liveness alone (a script
+    without the SDK before its first step) send the check to ``find_hangs`` every time."""
     training.observe(gen.interval_max)
+    if gen.unstepped_hooks:
+        return True
     for phase, idle in gen.idle.items():
         oldest = idle.oldest()
         if oldest is not None and now - oldest[1] > phase_timeout(cfg, phase, training):
@@ -124,6 +128,16 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
     if rp.progress_seen is None:
         return None
     limit = phase_timeout(cfg, rp.phase, training)
+    if rp.finished:
+        # Past its last step and tearing down (process groups, interpreter exit): as slow
+        # as starting up on a busy host, so it gets the start-up timeout.
+        limit = max(limit, cfg.phases.init)
+    if rp.progress == "hook" and rp.step is None:
+        # A script without the SDK before its first optimizer step (or one that never
+        # steps one): no phase applies to it, only liveness; its beats stopping is the hang.
+        limit = cfg.node_lost_s
+        if rp.beat_received is not None and now - rp.beat_received <= limit:
+            return None
     idle = now - rp.progress_seen
     if idle <= limit:
         return None

@@ -35,6 +35,8 @@ class RankProgress:
     beat_ts: float | None = None  # the worker's timestamp of its newest beat
     progress_seen: float | None = None  # monotonic time the step or phase last changed
     step_interval_max: float | None = None
+    progress: str | None = None  # "hook": steps are the preload hook's optimizer count
+    finished: bool = False  # sent its last beat; tearing down
 
 
 @dataclass
@@ -48,6 +50,9 @@ class GenerationProgress:
     # phase -> ranks in that phase by the time they last made progress
     idle: dict[str | None, OldestFirst[int]] = field(default_factory=dict)
     interval_max: float | None = None  # largest step interval any rank reported
+    # Ranks of a script without the SDK before its first step: judged by liveness, not by
+    # a phase's timeout, so the oldest-first pre-check cannot speak for them.
+    unstepped_hooks: set[int] = field(default_factory=set)
 
     def progressed(self, rp: RankProgress, phase: str | None, at: float) -> None:
         """``rp`` made progress at ``at`` (now in ``phase``): move it in ``idle``."""
@@ -104,6 +109,12 @@ class ProgressTracker:
             rp.step_interval_max = interval = info.step_interval_max
             if interval is not None and interval > (gen.interval_max or 0.0):
                 gen.interval_max = interval
+            rp.progress = info.progress
+            rp.finished = info.finished
+            if info.progress == "hook" and info.step is None:
+                gen.unstepped_hooks.add(info.rank)
+            else:
+                gen.unstepped_hooks.discard(info.rank)
 
     def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> bool:
         """Rank 0's step records: append to steps.jsonl, note first/last step, journal.

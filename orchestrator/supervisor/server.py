@@ -1,24 +1,32 @@
 """The supervisor's HTTP endpoint: the agents' control API, /metrics, /healthz, /v1/status.
 
-Every /v1 route needs the job's token (``Authorization: Bearer ...``); a request without it
-gets 401 and changes nothing. Bodies are validated by the protocol's pydantic models: a
-malformed request gets a 4xx naming the problem, never a crash of the supervisor.
+Who may call what (``orchestrator.auth``): the agents' routes (register, heartbeat, events,
+assignment) need a node's own credential, the operator's routes (stop, status) the job secret;
+anything else gets 401. A node speaks only for itself and its ranks (``admission``): a message
+it may not send gets 403 and a ``message_rejected`` journal event naming it, and changes
+nothing. Bodies are parsed straight from bytes into the protocol's strict models: a malformed
+request gets a 4xx naming the problem, never a crash of the supervisor. Size, depth, header
+time and node count are bounded by the ``api`` config section.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
+import ssl
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest
+from orchestrator.auth import Principal, authenticate, bearer_of
+from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest, StopRequest
+from orchestrator.state import NodeState
+from orchestrator.supervisor import admission
 from orchestrator.supervisor.intake import UnknownNode
 
 if TYPE_CHECKING:
+    from orchestrator.config.schema import Config
     from orchestrator.jobview import JobView
     from orchestrator.rundir import RunDir
     from orchestrator.supervisor.bookkeeper import BookKeeper
@@ -30,6 +38,7 @@ class SupervisorApi(Protocol):
     """What the API serves from: the supervisor, seen only through these (no import of it,
     so the server and the supervisor form no cycle)."""
 
+    cfg: Config
     token: str
     intake: Intake
     rundir: RunDir
@@ -40,21 +49,40 @@ class SupervisorApi(Protocol):
     @property
     def view(self) -> JobView: ...
 
-    def request_stop(self, reason: str = "operator") -> None: ...
+    def request_stop(self, reason: str = "operator", checkpoint: bool = True) -> None: ...
+
 
 # An agent's long-poll waits at most this long for a new assignment, then asks again.
 _POLL_MAX_S = 30.0
 # Open requests get this long to finish when the server stops.
 _SHUTDOWN_GRACE_S = 2.0
-# Bodies beyond this are refused (a heartbeat of 100k records is ~10 MB).
-_MAX_BODY = 32 * 2**20
+_NODE_ROUTES = frozenset({"/v1/register", "/v1/heartbeat", "/v1/events", "/v1/assignment"})
+_LIVE = (NodeState.REGISTERED, NodeState.ACTIVE, NodeState.SPARE)
+
+
+def bind_host(cfg: Config) -> str:
+    """Where to listen: ``metrics.host``, else the address agents must reach."""
+    if cfg.metrics.host:
+        return cfg.metrics.host
+    return "127.0.0.1" if cfg.launcher.kind == "local" else "0.0.0.0"
+
+
+def server_ssl_context(cfg: Config) -> ssl.SSLContext | None:
+    if not cfg.api.tls_cert or not cfg.api.tls_key:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.api.tls_cert, cfg.api.tls_key)
+    return ctx
 
 
 class ApiServer:
     def __init__(self, sup: SupervisorApi) -> None:
         self.sup = sup
+        self.api = sup.cfg.api
+        self.scheme = "https" if self.api.tls_cert else "http"
         self._runner: web.AppRunner | None = None
-        app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._guard])
+        app = web.Application(client_max_size=int(self.api.max_body_mb * 2**20),
+                              middlewares=[self._guard])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/register", self.register)
@@ -65,13 +93,17 @@ class ApiServer:
         app.router.add_get("/v1/status", self.status)
         self.app = app
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str | None, port: int) -> int:
         # At shutdown, agents' long-polls (up to _POLL_MAX_S) would hold cleanup() that long;
         # every agent has been told to exit by then, so they are cut after a short grace.
+        # keepalive_timeout also runs from a connection's start (aiohttp >= 3.10): a socket
+        # that never completes a request's headers is closed after header_timeout_s.
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=_SHUTDOWN_GRACE_S)
+                                     shutdown_timeout=_SHUTDOWN_GRACE_S,
+                                     keepalive_timeout=self.api.header_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        site = web.TCPSite(self._runner, host or bind_host(self.sup.cfg), port,
+                           reuse_address=True, ssl_context=server_ssl_context(self.sup.cfg))
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         return sockets[0].getsockname()[1] if sockets else port
@@ -84,11 +116,15 @@ class ApiServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            header = request.headers.get("Authorization", "")
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    given.strip().encode(), self.sup.token.encode()):
+            who = authenticate(self.sup.token, bearer_of(request.headers.get("Authorization",
+                                                                             "")))
+            if who is None:
                 return _error(401, "missing or wrong token")
+            wants_node = request.path in _NODE_ROUTES
+            if wants_node != (who.kind == "node"):
+                return _error(403, "this route needs a node's credential" if wants_node
+                              else "this route needs the job's operator token")
+            request["principal"] = who
         try:
             return await handler(request)
         except web.HTTPException:
@@ -96,8 +132,44 @@ class ApiServer:
         except UnknownNode as exc:
             return _error(404, f"unknown node {exc.args[0]!r}; register first")
         except Exception as exc:  # a bug must not take the control plane down
+            # No traceback locals (the logging setup renders without them), no request data.
             self.sup.log.exception("api handler failed", path=request.path)
             return _error(500, f"internal error: {type(exc).__name__}")
+
+    def _refuse(self, node_id: str, route: str, refusal: admission.Refusal) -> web.Response:
+        # Journaled as ``message_rejected`` naming the node (intake bounds how many).
+        self.sup.intake.reject(node_id, route, refusal.reason)
+        return _error(refusal.status, refusal.reason)
+
+    def _limits(self) -> admission.Limits:
+        return admission.Limits(world_size=self.sup.cfg.cluster.world_size,
+                                max_step_interval_s=self.api.max_step_interval_s,
+                                max_nodes=self.api.max_nodes)
+
+    def _known(self, node_id: str) -> admission.KnownNode | None:
+        nodes = self.sup.intake.nodes
+        rec = nodes.nodes.get(node_id)
+        if rec is None:
+            return None
+        live = rec.state in _LIVE and nodes.silent_for(rec) <= self.sup.cfg.timeouts.node_lost_s
+        return admission.KnownNode(rec.host, rec.addr, live)
+
+    def _slice(self, node_id: str) -> admission.Slice | None:
+        """The node's ranks in the newest launched generation, from the journal's launch
+        record (so it holds across a supervisor restart, before assignments are re-sent)."""
+        launches = self.sup.view.launches
+        if not launches:
+            return None
+        launch = launches[-1]
+        node_rank = launch.get("nodes", {}).get(node_id)
+        if node_rank is None:
+            return admission.Slice(launch["generation"])
+        ppn = self.sup.cfg.cluster.procs_per_node
+        return admission.Slice(launch["generation"], node_rank * ppn, (node_rank + 1) * ppn)
+
+    def _registered(self, node_id: str) -> None:
+        if node_id not in self.sup.intake.nodes.nodes:
+            raise UnknownNode(node_id)
 
     # -- routes ------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
@@ -108,41 +180,60 @@ class ApiServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def register(self, request: web.Request) -> web.Response:
-        req = await _parse(request, RegisterRequest)
+        node = _node(request)
+        req = await self._parse(request, RegisterRequest)
+        refusal = admission.check_register(node, req, self._known(req.node_id),
+                                           len(self.sup.intake.nodes.nodes),
+                                           self._slice(node), self._limits())
+        if refusal is not None:
+            return self._refuse(node, "register", refusal)
         resp = self.sup.intake.on_register(req)
         return web.json_response(resp.model_dump(mode="json"))
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        hb = await _parse(request, Heartbeat)
+        node = _node(request)
+        hb = await self._parse(request, Heartbeat)
+        if hb.node_id == node:
+            self._registered(node)
+        refusal = admission.check_heartbeat(node, hb, self._slice(node), self._limits())
+        if refusal is not None:
+            return self._refuse(node, "heartbeat", refusal)
         return web.json_response(self.sup.intake.on_heartbeat(hb))
 
     async def events(self, request: web.Request) -> web.Response:
-        batch = await _parse(request, EventBatch)
+        node = _node(request)
+        batch = await self._parse(request, EventBatch)
+        if batch.node_id == node:
+            self._registered(node)
+        refusal = admission.check_events(node, batch, self._slice(node), self._limits())
+        if refusal is not None:
+            return self._refuse(node, "events", refusal)
         self.sup.intake.on_events(batch)
         return web.json_response({"accepted": len(batch.events)})
 
     async def assignment(self, request: web.Request) -> web.Response:
+        node = _node(request)
         q = request.query
         node_id = q.get("node_id", "")
         try:
             after = int(q.get("after", "-1"))
-            timeout = min(float(q.get("timeout", str(_POLL_MAX_S))), _POLL_MAX_S)
+            timeout = float(q.get("timeout", str(_POLL_MAX_S)))
         except ValueError:
             return _error(400, "after and timeout must be numbers")
         if not node_id:
             return _error(400, "node_id is required")
-        a = await self.sup.intake.poll_assignment(node_id, after, max(0.0, timeout))
+        if not -1 <= after <= 1 << 53 or not 0.0 <= timeout <= 3600.0:
+            return _error(400, "after or timeout is out of range")
+        refusal = admission.check_node_id(node, node_id)
+        if refusal is not None:
+            return self._refuse(node, "assignment", refusal)
+        a = await self.sup.intake.poll_assignment(node_id, after, min(timeout, _POLL_MAX_S))
         return web.json_response(a.model_dump(mode="json") if a else {})
 
     async def stop_job(self, request: web.Request) -> web.Response:
-        reason = "operator"
-        if request.can_read_body:
-            try:
-                body = await request.json()
-                reason = str(body.get("reason", reason))[:200]
-            except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-                return _error(400, "body must be a JSON object")
-        self.sup.request_stop(reason)
+        body = await request.read()
+        stop = StopRequest() if not body.strip() else await self._parse(request, StopRequest)
+        self.sup.request_stop(stop.reason, checkpoint=stop.checkpoint)
         return web.json_response({"stopping": True, "state": self.sup.view.state.value})
 
     async def status(self, request: web.Request) -> web.Response:
@@ -152,25 +243,38 @@ class ApiServer:
                                               live_nodes=self.sup.intake.nodes,
                                               ledger=self.sup.books.refresh()))
 
+    async def _parse(self, request: web.Request, model: type[BaseModel]) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=request.client_max_size, actual_size=request.content_length or 0,
+                text=json.dumps({"error": "body is larger than api.max_body_mb"}),
+                content_type="application/json") from None
+        try:
+            return model.model_validate_json(
+                raw, context={"max_json_depth": self.api.max_json_depth})
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False, include_context=False)
+            if errors and errors[0]["type"] == "json_invalid":
+                raise _bad(400, {"error": f"body is not valid JSON: {errors[0]['msg']}"}) \
+                    from None
+            if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
+                raise _bad(400, {"error": "body must be a JSON object"}) from None
+            problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"[:300]
+                        for e in errors][:20]
+            raise _bad(422, {"error": "invalid request", "problems": problems}) from None
 
-async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
-    try:
-        raw = await request.read()
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text=json.dumps({"error": "body is not valid JSON"}),
-                                 content_type="application/json") from None
-    if not isinstance(data, dict):
-        raise web.HTTPBadRequest(text=json.dumps({"error": "body must be a JSON object"}),
-                                 content_type="application/json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                    for e in exc.errors(include_url=False)][:20]
-        raise web.HTTPUnprocessableEntity(
-            text=json.dumps({"error": "invalid request", "problems": problems}),
-            content_type="application/json") from None
+
+def _node(request: web.Request) -> str:
+    who: Principal = request["principal"]
+    assert who.node_id is not None  # the guard let only node credentials through
+    return who.node_id
+
+
+def _bad(status: int, body: dict[str, Any]) -> web.HTTPException:
+    cls = web.HTTPBadRequest if status == 400 else web.HTTPUnprocessableEntity
+    return cls(text=json.dumps(body), content_type="application/json")
 
 
 def _error(status: int, message: str) -> web.Response:

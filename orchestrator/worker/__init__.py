@@ -21,7 +21,7 @@ It imports nothing of the supervisor side and never imports torch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from orchestrator.worker.sdk import PHASES, Worker, WorkerContext, running_under_orchestrator
@@ -30,14 +30,29 @@ _worker: Worker | None = None
 
 
 def init(**kwargs: Any) -> Worker:
-    """Start this process's worker (idempotent) and return it."""
+    """Start this process's worker (idempotent) and return it. From here on the script
+    reports its own steps (``step_done``), even where the preload hook started the worker."""
     global _worker
     if _worker is None:
         _worker = Worker(**kwargs).start()
+    _worker.progress = "sdk"
+    return _worker
+
+
+def start_from_hook(env: Mapping[str, str]) -> Worker:
+    """The preload hook's worker: steps come from optimizer steps until the script calls
+    :func:`init` itself."""
+    global _worker
+    if _worker is None:
+        _worker = Worker(env=env)
+        _worker.progress = "hook"
+        _worker.start()
     return _worker
 
 
 def current() -> Worker:
+    """The process's worker (started by the hook or by :func:`init`); starting it here
+    counts as the script using the SDK."""
     return _worker if _worker is not None else init()
 
 

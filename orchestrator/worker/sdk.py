@@ -5,7 +5,7 @@ thread sends the latest record to the node agent over a local socket every inter
 training thread therefore shows as "no progress" while the beat thread keeps beating, which
 is how the supervisor tells a hang from a dead node.
 
-Outside the orchestrator (no ``ORCH_AGENT_SOCKET``), every call is a cheap no-op apart from
+Outside the orchestrator (no agent socket in the environment), every call is a cheap no-op apart from
 bookkeeping, so the same script runs under plain torchrun.
 """
 
@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from orchestrator import envcontract as ec
 
 PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating")
 
@@ -54,23 +56,18 @@ class WorkerContext:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
-        def num(key: str, default: int) -> int:
-            try:
-                return int(env.get(key, default))
-            except ValueError:
-                return default
-
-        max_step = env.get("ORCH_RESUME_MAX_STEP", "")
+        """Parse this rank's environment; a malformed ``ORCH_*`` value raises
+        :class:`~orchestrator.envcontract.EnvError` naming the variable."""
+        gen = ec.GenerationEnv.from_env(env)
+        agent = ec.AgentEnv.from_env(env)
         return cls(
-            rank=num("RANK", 0), local_rank=num("LOCAL_RANK", 0),
-            world_size=num("WORLD_SIZE", 1), generation=num("ORCH_GENERATION", 0),
-            job=env.get("ORCH_JOB", "job"), managed=bool(env.get("ORCH_AGENT_SOCKET")),
-            config_path=env.get("ORCH_CONFIG"), run_dir=env.get("ORCH_RUN_DIR"),
-            checkpoint_root=env.get("ORCH_CHECKPOINT_ROOT"),
-            resume_max_step=int(max_step) if max_step.strip().isdigit() else None,
-            skip_windows=[tuple(w) for w in json.loads(env.get("ORCH_SKIP_WINDOWS") or "[]")],
-            lr_scale=float(env.get("ORCH_LR_SCALE") or 1.0),
-            chaos=json.loads(env.get("ORCH_CHAOS") or "{}"),
+            rank=ec.get_int(env, "RANK", 0, minimum=0) or 0,
+            local_rank=ec.get_int(env, "LOCAL_RANK", 0, minimum=0) or 0,
+            world_size=ec.get_int(env, "WORLD_SIZE", 1, minimum=1) or 1,
+            generation=gen.generation, job=gen.job, managed=agent.managed,
+            config_path=agent.config_path, run_dir=agent.run_dir,
+            checkpoint_root=gen.checkpoint_root, resume_max_step=gen.resume_max_step,
+            skip_windows=list(gen.skip_windows), lr_scale=gen.lr_scale, chaos=gen.chaos,
         )
 
 
@@ -80,8 +77,9 @@ class Worker:
     def __init__(self, env: Mapping[str, str] = os.environ, clock: Any = time.time,
                  send_records: bool | None = None) -> None:
         self.ctx = WorkerContext.from_env(env)
-        self._socket_path = env.get("ORCH_AGENT_SOCKET")
-        self._interval = float(env.get("ORCH_HEARTBEAT_INTERVAL") or 0.5)
+        agent = ec.AgentEnv.from_env(env)
+        self._socket_path = agent.agent_socket
+        self._interval = agent.heartbeat_interval_s
         self._clock = clock
         # Only rank 0's step records travel: loss and norms are global values, identical on
         # every rank, and one stream is what the stability detectors and the books read.
@@ -99,6 +97,10 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file: Any = None
+        self._finished = False  # close() was called: the rank is tearing down
+        # Who reports this rank's steps: "sdk" (the script calls step_done) or "hook" (the
+        # preload hook counts optimizer steps; the script has not called the SDK).
+        self.progress = "sdk"
         self._kills = [k for k in self.ctx.chaos.get("kills", []) if k.get("rank") ==
                        self.ctx.rank]
 
@@ -112,7 +114,11 @@ class Worker:
         return self
 
     def close(self) -> None:
-        """Send a last beat (with the last records) and stop the beat thread."""
+        """Send a last beat (with the last records, marked ``finished``) and stop the beat
+        thread. Tearing down (process groups, interpreter exit) can take seconds on a busy
+        host after the last step; ``finished`` tells the supervisor that this silence is
+        not a hang."""
+        self._finished = True
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
@@ -138,7 +144,12 @@ class Worker:
     # -- the training thread's calls --------------------------------------------------------
     def step_done(self, step: int, **metrics: Any) -> None:
         """Mark ``step`` finished; ``metrics`` (loss, grad_norm, lr, tokens, ...) go to the
-        step record. Only updates memory: the beat thread sends it."""
+        step record. Only updates memory: the beat thread sends it. From the first call on,
+        the script's own steps are the rank's steps (the preload hook's count stops)."""
+        self.progress = "sdk"
+        self._record_step(step, metrics)
+
+    def _record_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         now = self._clock()
         with self._lock:
             if self._last_step_ts is not None:
@@ -155,6 +166,12 @@ class Worker:
                     del self._records[: len(self._records) - _MAX_RECORDS]
         if self._kills:
             self._maybe_inject(step)
+
+    def optimizer_stepped(self, count: int) -> None:
+        """The preload hook's report: ``count`` optimizer steps this generation. Ignored once
+        the script reports its own steps through the SDK."""
+        if self.progress == "hook":
+            self._record_step(count, {})
 
     def _maybe_inject(self, step: int) -> None:
         """Chaos from the orchestrator: signal this process right after ``step``."""
@@ -202,7 +219,8 @@ class Worker:
                    "generation": self.ctx.generation, "step": self._step,
                    "phase": self._phase, "last_step_ts": self._last_step_ts,
                    "interval_max": max(self._intervals) if self._intervals else None,
-                   "ts": self._clock(), "records": self._records}
+                   "ts": self._clock(), "records": self._records,
+                   "progress": self.progress, "finished": self._finished}
             records, self._records = self._records, []
         if not self._send(msg) and records:
             with self._lock:  # keep them for the next beat
@@ -244,5 +262,5 @@ def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def running_under_orchestrator() -> bool:
-    return bool(os.environ.get("ORCH_AGENT_SOCKET"))
+    return ec.AgentEnv.from_env(os.environ).managed
 

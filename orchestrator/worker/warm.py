@@ -25,6 +25,9 @@ import runpy
 import sys
 import time
 
+from orchestrator import envcontract as ec
+from orchestrator.worker import hook
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.worker.warm")
@@ -48,9 +51,12 @@ def main() -> int:
     os.environ.clear()
     os.environ.update(spec["env"])
     # The start-up breakdown counts from here, not from the spare's own start.
-    os.environ["ORCH_WARM_HANDOFF_TS"] = repr(handoff)
+    os.environ[ec.WARM_HANDOFF_TS] = repr(handoff)
     if spec.get("cwd"):
         os.chdir(spec["cwd"])
+    # A fresh rank ran the preload hook at interpreter start; a spare started before it
+    # had a rank's environment, so it installs the hook now.
+    hook.install()
     sys.argv = [spec["module"], *spec.get("argv", [])]
     runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
     return 0

@@ -15,12 +15,23 @@ import pytest
 from jobs import assert_bit_identical, env, final_state_dict, journal, status, up, write_config
 from s3 import S3Endpoint, aws_env, s3_endpoint
 
-from trainer.checkpoint import layout
+from trainer.checkpoint import layout, signing
 
 pytestmark = pytest.mark.slow
 
 JOB = "t"
 STATE = ("app.model.", "app.optim.", "progress.", "data.", "schedule.")
+
+
+@pytest.fixture
+def key(tmp_path: Path) -> Path:
+    """The job's signing key, given to every run of the job through job.env (a new run
+    directory would otherwise generate a key of its own) and to the CLI with --key-file."""
+    return signing.write_key_file(tmp_path / "job.key")
+
+
+def keyed(key: Path) -> dict[str, Any]:
+    return {"job": {"env": {signing.KEY_FILE_ENV: str(key)}}}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -43,9 +54,9 @@ def s3(dataset_dir: Path) -> Iterator[S3Endpoint]:
         yield ep
 
 
-def tiered_config(path: Path, dataset_dir: Path, s3: S3Endpoint, local: Path,
+def tiered_config(path: Path, dataset_dir: Path, s3: S3Endpoint, local: Path, key: Path,
                   **extra: Any) -> Path:
-    return write_config(path, dataset_dir, **{
+    return write_config(path, dataset_dir, **keyed(key), **{
         "trainer": {"data": {"path": f"s3://{s3.bucket}/data/stdlib"}},
         "checkpoint": {"url": f"s3://{s3.bucket}/ckpt", "local_url": str(local),
                        "keep_last": 2, "keep_last_remote": 10, "endpoint_url": s3.url,
@@ -59,9 +70,9 @@ def s3fs_for(s3: S3Endpoint):
 
 
 def test_resume_from_s3_alone_past_corrupt_checkpoints_is_bit_exact(
-        tmp_path: Path, dataset_dir: Path, s3: S3Endpoint) -> None:
+        tmp_path: Path, dataset_dir: Path, s3: S3Endpoint, key: Path) -> None:
     local = tmp_path / "local"
-    cfg = tiered_config(tmp_path / "job.yaml", dataset_dir, s3, local)
+    cfg = tiered_config(tmp_path / "job.yaml", dataset_dir, s3, local, key)
     first = up(cfg, tmp_path / "run-1")
     assert first.returncode == 0, first.stdout[-4000:]
     events = journal(tmp_path / "run-1")
@@ -85,12 +96,15 @@ def test_resume_from_s3_alone_past_corrupt_checkpoints_is_bit_exact(
     fs.pipe_file(rotten, bytes(data))
 
     url = f"s3://{root}"
-    bad = cli("checkpoints", "verify", url, "--endpoint-url", s3.url)
+    k = ("--key-file", str(key))
+    bad = cli("checkpoints", "verify", url, "--endpoint-url", s3.url, *k)
     assert bad.returncode == 1
     assert "step-00000040" in bad.stderr and "__0_0.distcp: size" in bad.stderr
-    bad30 = cli("checkpoints", "verify", f"{url}/step-00000030", "--endpoint-url", s3.url)
-    assert bad30.returncode == 1 and "__1_0.distcp: xxh3_64" in bad30.stderr
-    listing = cli("checkpoints", "list", url, "--checksums", "--json", "--endpoint-url", s3.url)
+    bad30 = cli("checkpoints", "verify", f"{url}/step-00000030", "--endpoint-url", s3.url, *k)
+    assert bad30.returncode == 1 and "__1_0.distcp: blake3" in bad30.stderr
+    listing = cli("checkpoints", "list", url, "--checksums", "--json", "--endpoint-url", s3.url,
+                  *k)
+    assert listing.returncode == 1  # two listed checkpoints fail
     rows = {r["step"]: r for r in json.loads(listing.stdout)}
     assert [s for s, r in sorted(rows.items()) if r["verified"]] == [10, 20]
     assert {rows[s]["tier"] for s in rows} == {"remote"}
@@ -108,12 +122,13 @@ def test_resume_from_s3_alone_past_corrupt_checkpoints_is_bit_exact(
 
     fs.invalidate_cache()
     fs.get(f"{root}/step-00000040", str(tmp_path / "from-s3"), recursive=True)
-    assert layout.verify(str(tmp_path / "from-s3")).ok
+    assert layout.verify(str(tmp_path / "from-s3"),
+                         trust=signing.Trust(signing.read_key_file(key))).ok
     n = assert_bit_identical(reference, final_state_dict(tmp_path / "from-s3"), STATE)
     assert n > 30
 
     exported = cli("export", "--checkpoint", url, "--to-hf", str(tmp_path / "hf"),
-                   "--endpoint-url", s3.url)
+                   "--endpoint-url", s3.url, *k)
     assert exported.returncode == 0, exported.stderr
     from safetensors.torch import load_file
 
@@ -122,13 +137,13 @@ def test_resume_from_s3_alone_past_corrupt_checkpoints_is_bit_exact(
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-def test_training_starts_from_an_exported_hf_directory(tmp_path: Path,
-                                                       dataset_dir: Path) -> None:
+def test_training_starts_from_an_exported_hf_directory(tmp_path: Path, dataset_dir: Path,
+                                                       key: Path) -> None:
     trained = write_config(tmp_path / "a.yaml", dataset_dir, trainer={"steps": 30},
-                           checkpoint={"url": str(tmp_path / "ckpt")})
+                           checkpoint={"url": str(tmp_path / "ckpt")}, **keyed(key))
     assert up(trained, tmp_path / "run-a").returncode == 0
     out = cli("export", "--checkpoint", str(tmp_path / "ckpt" / JOB), "--to-hf",
-              str(tmp_path / "hf"))
+              str(tmp_path / "hf"), "--key-file", str(key))
     assert out.returncode == 0, out.stderr
     assert "exported step 30" in out.stdout
     tune = write_config(tmp_path / "b.yaml", dataset_dir, job={"name": "tune"},

@@ -38,6 +38,17 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
         yield ep
 
 
+@pytest.fixture(autouse=True)
+def job_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The job's signing key, as the supervisor hands it to rank 0 (never ~/.config)."""
+    from trainer.checkpoint import signing
+
+    monkeypatch.delenv(signing.KEY_ENV, raising=False)
+    path = signing.write_key_file(tmp_path / "job.key")
+    monkeypatch.setenv(signing.KEY_FILE_ENV, str(path))
+    return path
+
+
 @pytest.fixture
 def pg(tmp_path: Path) -> Iterator[None]:
     """A one-rank gloo group, as the trainer's checkpoint group would be."""
@@ -209,7 +220,7 @@ def test_a_corrupt_remote_newest_is_skipped_for_the_previous_one(tmp_path: Path,
     assert b.ckpt.restore(b.state)["step"] == 1
     skipped = b.events.named("checkpoint_skipped")
     assert [(e["step"], e["tier"]) for e in skipped] == [(2, REMOTE)]
-    assert skipped[0]["problems"][0].startswith("__0_0.distcp: xxh3_64")
+    assert skipped[0]["problems"][0].startswith("__0_0.distcp: blake3")
     assert not (tmp_path / "local" / "job" / "step-00000002").exists()
     b.ckpt.close()
 
@@ -309,3 +320,87 @@ def test_token_shards_read_from_s3_equal_the_local_ones(s3: S3Endpoint, dataset_
     # Read over HTTP from S3: the index, then range reads of the shards.
     assert s3.proxy.count("GET", contains="/data/stdlib/index.json") >= 1
     assert s3.proxy.count("GET", 206, contains="/data/stdlib/shard-00000.bin") >= 1
+
+
+def test_a_remote_manifest_naming_paths_outside_its_step_is_refused(
+        tmp_path: Path, s3: S3Endpoint, pg: None, job_key: Path) -> None:
+    """Traversal and absolute entries in an S3 manifest, signed with the job's key itself
+    (only containment can stop them): the fetch reads and writes nothing outside the step's
+    prefix and the local tier, and the restart falls back to the previous checkpoint."""
+    import json
+    import shutil
+
+    import blake3
+
+    from trainer.checkpoint import signing
+
+    cfg = tiered(tmp_path, s3, keep_last=3)
+    a = Trainee(cfg)
+    for step in (1, 2):
+        a.step()
+        a.ckpt.save(step, a.state, step)
+        a.ckpt.wait()
+        a.ckpt.uploader.wait(60)
+    a.ckpt.close()
+    shutil.rmtree(tmp_path / "local")
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "keep").write_text("x")
+    fs = a.store.remote.fs
+    fs.pipe_file(f"{s3.bucket}/ckpt/planted", b"payload")  # outside the step's prefix
+    mkey = f"{s3.bucket}/ckpt/job/step-00000002/manifest.json"
+    m = json.loads(fs.cat_file(mkey))
+    digest = {"size": 7, "blake3": blake3.blake3(b"payload").hexdigest()}
+    for name in ("../../planted", str(canary / "planted"), "a/../../../../planted"):
+        m["files"][name] = digest
+    fs.pipe_file(mkey, json.dumps(signing.sign(m, signing.read_key_file(job_key))).encode())
+
+    b = Trainee(cfg)
+    assert b.ckpt.restore(b.state)["step"] == 1
+    skipped = b.events.named("checkpoint_skipped")
+    assert [(e["step"], e["tier"]) for e in skipped] == [(2, REMOTE)]
+    assert all("not opened" in p for p in skipped[0]["problems"])
+    assert "not opened" in skipped[0]["reason"]
+    assert [p.name for p in canary.iterdir()] == ["keep"]
+    assert not list(tmp_path.rglob("planted*"))
+    assert not (tmp_path / "local" / "job" / "step-00000002").exists()
+    b.ckpt.close()
+
+
+def test_a_wrong_key_stops_the_job_instead_of_starting_over(
+        tmp_path: Path, pg: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints signed with another key (or unsigned) and nothing else to resume: the
+    restore raises naming the keys, rather than training from scratch over them. With the
+    old key, or unsigned ones trusted, it resumes."""
+    from trainer.checkpoint import signing
+    from trainer.checkpoint.checkpointer import CheckpointTrustError
+
+    cfg = CheckpointConfig(url=str(tmp_path / "ckpt"), keep_last=3)
+    a = Trainee(cfg)
+    a.step()
+    a.ckpt.save(1, a.state, 1)
+    a.ckpt.wait()
+    a.ckpt.close()
+    old = os.environ[signing.KEY_FILE_ENV]
+    monkeypatch.setenv(signing.KEY_FILE_ENV,
+                       str(signing.write_key_file(tmp_path / "another.key")))
+    b = Trainee(cfg)
+    with pytest.raises(CheckpointTrustError, match="refused for their signature.*another"):
+        b.ckpt.restore(b.state)
+    assert [e["signature"] for e in b.events.named("checkpoint_skipped")] == [signing.FORGED]
+    b.ckpt.close()
+    monkeypatch.setenv(signing.KEY_FILE_ENV, old)
+    c = Trainee(cfg)
+    assert c.ckpt.restore(c.state)["step"] == 1
+    c.ckpt.close()
+    # The same checkpoint unsigned (an import, an older version): refused, then trusted.
+    step = tmp_path / "ckpt" / "job" / "step-00000001"
+    m = layout.read_manifest(str(step))
+    layout.write_manifest(str(step), {k: v for k, v in m.items() if k != "signature"})
+    e = Trainee(cfg)
+    with pytest.raises(CheckpointTrustError, match="unsigned"):
+        e.ckpt.restore(e.state)
+    e.ckpt.close()
+    d = Trainee(cfg.model_copy(update={"trust_unsigned": True}))
+    assert d.ckpt.restore(d.state)["step"] == 1
+    d.ckpt.close()

@@ -21,7 +21,7 @@ Not run here: no Neuron SDK on this machine (see ``trainer.backends.neuron``); t
 from __future__ import annotations
 
 import concurrent.futures
-import pickle
+import json
 import time
 from typing import Any
 
@@ -48,20 +48,22 @@ def nxd_files(tp: int, dp: int, zero1: bool) -> set[str]:
 
 
 class XlaRngState(RngState):
-    """``RngState`` plus the XLA device's seed (``xm.get_rng_state`` / ``set_rng_state``)."""
+    """``RngState`` plus the XLA device's seed (``xm.get_rng_state`` / ``set_rng_state``),
+    JSON like the rest (no pickle)."""
 
     def state_dict(self) -> dict[str, Any]:
         import torch_xla.core.xla_model as xm
 
-        states = pickle.loads(super().state_dict()["blob"])
-        states["xla"] = xm.get_rng_state()
-        return {"blob": pickle.dumps(states)}
+        states = json.loads(super().state_dict()["json"])
+        states["xla"] = int(xm.get_rng_state())
+        return {"json": json.dumps(states, allow_nan=False)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         import torch_xla.core.xla_model as xm
 
         super().load_state_dict(state_dict)
-        xm.set_rng_state(pickle.loads(state_dict["blob"])["xla"])
+        if "json" in state_dict:
+            xm.set_rng_state(int(json.loads(state_dict["json"])["xla"]))
 
 
 class NeuronCheckpointer(ClientStateCheckpointer):

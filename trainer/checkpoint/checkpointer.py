@@ -4,13 +4,20 @@ A save stages the state (a copy, so training can go on mutating it) and writes i
 background thread over a dedicated gloo group into the primary tier (the local tier when
 tiering, else the only one); training blocks only for the staging. When rank 0's future
 completes, every rank's files and DCP's ``.metadata`` are written (DCP gathers all ranks'
-write results before finishing), so rank 0 then checksums the files and writes
-``manifest.json`` last: the commit. With a remote tier, the commit then queues the step for
-the background uploader (``upload``). At most one save is in flight.
+write results before finishing), so rank 0 then digests the files (BLAKE3), signs the
+manifest with the job's key and writes ``manifest.json`` last: the commit. Digests and
+signature are computed in the commit thread, never on the training thread. With a remote
+tier, the commit then queues the step for the background uploader (``upload``). At most one
+save is in flight.
 
 A failed save (disk full, ...) is reported, its partial directory removed, and training goes
 on from the previous checkpoint; ``max_save_failures`` failures in a row end the worker with
 ``CheckpointSaveError`` so the supervisor's restart policy decides.
+
+A restore loads nothing that rank 0 has not verified first: the manifest's signature, every
+entry contained in its step directory, every size and digest. Only then does any rank read
+the files, and DCP unpickles its ``.metadata``. Our own state holds tensors and JSON, and
+DCP's byte items load with ``weights_only=True`` (``SafeLoadPlanner``).
 """
 
 from __future__ import annotations
@@ -23,14 +30,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from trainer.checkpoint import layout
-from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint
+from trainer.checkpoint import layout, signing
+from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint, trust_refusals
 from trainer.checkpoint.upload import Uploader
 from trainer.config import CheckpointConfig
+from trainer.state import STATE_FORMAT
 
 # DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
 SaveErrors = (Exception, CheckpointException)
@@ -40,6 +50,26 @@ Report = Callable[..., None]  # report(event_name, **data): the worker SDK's eve
 
 class CheckpointSaveError(RuntimeError):
     """Too many saves in a row failed: the worker stops so the restart policy applies."""
+
+
+class CheckpointTrustError(RuntimeError):
+    """No checkpoint verifies and some were refused for their key (unsigned, signed with
+    another key): the job stops instead of starting over from scratch."""
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with its byte items (the non-tensor values of a state dict: our
+    counters, JSON strings, the optimizer's hyperparameters) read with ``weights_only=True``:
+    plain containers and numbers only, never an arbitrary object."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 @dataclass
@@ -107,6 +137,8 @@ class Checkpointer:
         self.cfg = cfg
         self.store = store
         self.uploader = uploader if rank == 0 else None
+        if self.uploader is not None:
+            self.uploader.use_trust(lambda: store.trust)
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -194,8 +226,10 @@ class Checkpointer:
         try:
             expected = self._expected_files(p.future.result())
             save_s = time.perf_counter() - p.started
+            trust = self.store.trust
             manifest = layout.build_manifest(
-                p.url, expected, fs=primary.fs, step=p.step, tokens=p.tokens,
+                p.url, expected, fs=primary.fs, key=trust.key if trust is not None else None,
+                step=p.step, tokens=p.tokens, state_format=STATE_FORMAT,
                 world_size=self.world_size, wall_time_s=round(save_s, 4),
                 blocking_s=round(p.blocking_s, 4), state=self.meta.get("state_layout", {}),
                 **{k: v for k, v in self.meta.items() if k != "state_layout"})
@@ -233,16 +267,25 @@ class Checkpointer:
                  f"({self.failures_in_a_row}/{self.cfg.max_save_failures} failures in a row)")
 
     def _prune_primary(self, step: int) -> None:
+        """Retention after a commit: only checkpoints that verify (sizes, containment, the
+        signature) count toward ``keep_last``; one that fails is reported and left alone."""
         keep_every = None if self.store.tiered else self.cfg.keep_every
         protect = {step} | (self.uploader.pending if self.uploader is not None else set())
+        primary = self.store.primary
         try:
-            removed = layout.prune(self.store.primary.root, self.cfg.keep_last, keep_every,
-                                   protect=protect, fs=self.store.primary.fs)
+            plan = layout.plan_prune(primary.root, self.cfg.keep_last, keep_every,
+                                     protect=protect, fs=primary.fs, trust=self.store.trust)
+            removed = layout.execute_prune(plan, primary.fs)
         except Exception as exc:  # noqa: BLE001 - pruning is retried after the next commit
-            self.log(f"pruning {self.store.primary.root} failed: {exc}")
+            self.log(f"pruning {primary.root} failed: {exc}")
             return
-        if removed:
-            self.report("checkpoint_pruned", tier=self.store.primary.name, steps=removed)
+        if plan.failing:
+            self.log(f"{primary.root}: checkpoint(s) {sorted(plan.failing)} fail verification: "
+                     "not counted toward keep_last, left in place: "
+                     + "; ".join(f"step {s}: {p[0]}" for s, p in sorted(plan.failing.items())))
+        if removed or plan.failing:
+            self.report("checkpoint_pruned", tier=primary.name, steps=removed,
+                        failing=sorted(plan.failing))
 
     def poll(self) -> None:
         """Forget a save once it has finished (cheap; call every step). Raises
@@ -311,21 +354,45 @@ class Checkpointer:
         """
         choice: list[Any] = [None]
         if self.rank == 0:
-            def skipped(tier: str, info: layout.CheckpointInfo, problems: list[str]) -> None:
-                self.log(f"checkpoint step {info.step} ({tier}) at {info.url} fails "
-                         f"verification, skipped: {'; '.join(problems)}")
-                self.report("checkpoint_skipped", step=info.step, path=info.url, tier=tier,
-                            problems=problems)
-
-            found = self.store.select(max_step, checksums=self.cfg.verify_on_load,
-                                      on_skip=skipped, log=self.log)
-            if found is not None and found.fetched_from is not None:
-                self.report("checkpoint_fetched", step=found.step, source=found.fetched_from,
-                            path=found.url)
-            choice = [found]
+            try:
+                choice = [self._select(max_step)]
+            except (CheckpointTrustError, signing.SigningKeyError) as exc:
+                choice = [exc]
         if self.group is not None:
             dist.broadcast_object_list(choice, src=0, group=self.group)
+        if isinstance(choice[0], BaseException):
+            raise CheckpointTrustError(str(choice[0]))  # every rank stops, not only rank 0
         return choice[0]
+
+    def _select(self, max_step: int | None) -> Choice | None:
+        """Rank 0: the newest checkpoint that verifies, each refusal journaled."""
+        _ = self.store.trust  # the job's key, read (or created) now: a bad one stops the start
+        def skipped(tier: str, info: layout.CheckpointInfo, problems: list[str]) -> None:
+            self.log(f"checkpoint step {info.step} ({tier}) at {info.url} fails "
+                     f"verification, skipped: {'; '.join(problems)}")
+            refusal = self.store.refused[-1] if self.store.refused else None
+            self.report("checkpoint_skipped", step=info.step, path=info.url, tier=tier,
+                        reason=problems[0] if problems else "fails verification",
+                        problems=problems,
+                        signature=refusal.signature if refusal is not None else None)
+
+        found = self.store.select(max_step, checksums=True, on_skip=skipped, log=self.log)
+        if found is not None and found.fetched_from is not None:
+            self.report("checkpoint_fetched", step=found.step, source=found.fetched_from,
+                        path=found.url)
+        if found is None:
+            keyed = trust_refusals(self.store.refused, self.store.trust)
+            if keyed:
+                trust = self.store.trust
+                steps = sorted({r.step for r in keyed})
+                raise CheckpointTrustError(
+                    f"no checkpoint verifies, and step(s) {steps} were refused for their "
+                    f"signature ({keyed[0].problems[0]}); this job's key is "
+                    f"{trust.key_id if trust else None} from {trust.source if trust else '-'}. "
+                    f"Give the job the key that signed them ({signing.KEY_FILE_ENV} or "
+                    f"{signing.KEY_ENV}), accept unsigned ones with checkpoint.trust_unsigned, "
+                    f"or move them away to start afresh")
+        return found
 
     def load(self, state: dict[str, Any], found: Choice | None) -> dict[str, Any] | None:
         """Load the chosen checkpoint into ``state``; returns its manifest (None: nothing
@@ -353,4 +420,8 @@ class Checkpointer:
             reader: Any = FsspecReader(found.url)
         else:
             reader = dcp.FileSystemReader(layout.filesystem(found.url)[1])
-        dcp.load(state, storage_reader=reader, process_group=self.group)
+        for obj in state.values():  # format-dependent templates (``RngState``)
+            if hasattr(obj, "prepare_load"):
+                obj.prepare_load(found.manifest)
+        dcp.load(state, storage_reader=reader, process_group=self.group,
+                 planner=SafeLoadPlanner())

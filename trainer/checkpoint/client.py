@@ -1,9 +1,11 @@
 """Checkpointers whose writer saves the model and optimizer itself (DeepSpeed, NxD).
 
-Such writers take the rest of our state as one picklable "client state", written by rank 0
-only: progress, the data position, the LR schedule's position, the skip-step guard, and the
-RNG states of EVERY rank, gathered into a list that each rank indexes on load. The commit
-(manifest), verification, retention and upload stay the ``Checkpointer``'s.
+Such writers take the rest of our state as one "client state", written by rank 0 only:
+progress, the data position, the LR schedule's position, the skip-step guard, and the RNG
+states of EVERY rank (JSON strings), gathered into a list that each rank indexes on load.
+The writer pickles it (``torch.save``) and its loader unpickles it: a checkpoint reaches the
+loader only after rank 0 verified its signature and digests (``Checkpointer.choose``). The
+commit (manifest), verification, retention and upload stay the ``Checkpointer``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ClientStateCheckpointer(Checkpointer):
         """Everything but ``OWN``, with the RNG blobs of all ranks (collective)."""
         client = {key: obj.state_dict() for key, obj in state.items()
                   if key not in self.OWN and key != RNG}
-        client[RNG] = [s["blob"] for s in self._gather(state[RNG].state_dict())]
+        client[RNG] = [s["json"] for s in self._gather(state[RNG].state_dict())]
         return client
 
     def _apply_client_state(self, state: dict[str, Any], client: dict[str, Any] | None,
@@ -51,4 +53,5 @@ class ClientStateCheckpointer(Checkpointer):
         if len(rngs) != self.world_size:
             raise ValueError(f"{url} holds the RNG states of {len(rngs)} ranks, this run has "
                              f"{self.world_size}: resume with the same world size")
-        state[RNG].load_state_dict({"blob": rngs[self.rank]})
+        rng = rngs[self.rank]  # format 1 held a pickle (bytes) per rank, format 2 JSON
+        state[RNG].load_state_dict({"blob": rng} if isinstance(rng, bytes) else {"json": rng})

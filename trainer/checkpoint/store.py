@@ -12,12 +12,18 @@ newest checkpoint committed in either tier that verifies:
 - a copy that fails verification is reported (``on_skip``) and passed over, then the other
   tier's copy of the step, then older steps: a corrupt checkpoint costs progress, never a loop.
 
+Verification includes the manifest's signature under the store's ``trust`` (the job's key,
+``signing``): a remote manifest that is not signed with it, or that names a file outside its
+step directory, is refused before anything is fetched or written.
+
 No torch here: the CLI lists, verifies and prunes through the same code.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +31,7 @@ from typing import Any
 
 import fsspec
 
-from trainer.checkpoint import layout
+from trainer.checkpoint import layout, signing
 from trainer.checkpoint.retry import no_retry
 
 LOCAL, REMOTE = "local", "remote"
@@ -84,6 +90,23 @@ class Choice:
 
 
 Skip = Callable[[str, layout.CheckpointInfo, list[str]], None]  # (tier, info, problems)
+_COPY_CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A checkpoint passed over by ``select``: its step, tier, signature outcome, problems."""
+
+    step: int
+    tier: str
+    signature: str
+    problems: tuple[str, ...]
+    key_id: str | None = None  # the key the manifest says signed it
+
+
+def _key_id(manifest: dict[str, Any] | None) -> str | None:
+    sig = (manifest or {}).get(signing.SIGNATURE)
+    return sig.get("key_id") if isinstance(sig, dict) else None
 
 
 def same_checkpoint(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
@@ -96,10 +119,21 @@ class CheckpointStore:
     """The tiers of one job: ``primary`` (saves land here) and an optional ``remote``."""
 
     def __init__(self, primary: Tier, remote: Tier | None = None,
-                 retry: Callable[[Callable[[], Any]], Any] = no_retry) -> None:
+                 retry: Callable[[Callable[[], Any]], Any] = no_retry,
+                 trust: signing.Trust | Callable[[], signing.Trust] | None = None) -> None:
         self.primary = primary
         self.remote = remote
         self.retry = retry  # wraps each remote request (transient errors retried)
+        self._trust = trust
+        self.refused: list[Refusal] = []  # what the last ``select`` passed over
+
+    @property
+    def trust(self) -> signing.Trust | None:
+        """The key checkpoints are signed and verified with (loaded on first use: only the
+        rank that commits and chooses reads it)."""
+        if callable(self._trust):
+            self._trust = self._trust()
+        return self._trust
 
     @property
     def tiers(self) -> list[Tier]:
@@ -124,8 +158,9 @@ class CheckpointStore:
         """The newest committed checkpoint (<= ``max_step``) that verifies, in either tier.
 
         With two tiers, a remote choice is fetched into the primary tier first and the
-        returned ``Choice`` points at the local copy.
+        returned ``Choice`` points at the local copy. What it passes over is in ``refused``.
         """
+        self.refused = []
         listings = self._listings(log)
         steps = sorted({s for found in listings.values() for s in found}, reverse=True)
         for step in steps:
@@ -134,18 +169,25 @@ class CheckpointStore:
             holders = [t for t in self.tiers if step in listings[t.name]]
             for tier in self._order(step, holders):
                 info = listings[tier.name][step]
-                if tier is self.remote and self.tiered:
+                outcome, manifest = signing.UNCHECKED, None
+                if info.problem:
+                    choice, problems = None, [info.problem]
+                elif tier is self.remote and self.tiered:
                     try:
-                        choice, problems = self._fetch(step, checksums, log)
+                        choice, problems, outcome, manifest = self._fetch(step, checksums, log)
                     except Exception as exc:  # noqa: BLE001 - retries spent: try older ones
                         choice, problems = None, [f"fetch failed: {type(exc).__name__}: {exc}"]
                 else:
-                    result = layout.verify(info.url, checksums=checksums, fs=tier.fs)
+                    result = layout.verify(info.url, checksums=checksums, fs=tier.fs,
+                                           trust=self.trust)
                     choice = Choice(step, tier.name, info.url, result.manifest) \
                         if result.ok and result.manifest is not None else None
-                    problems = result.problems
+                    problems, outcome, manifest = result.problems, result.signature, \
+                        result.manifest
                 if choice is not None:
                     return choice
+                self.refused.append(Refusal(step, tier.name, outcome, tuple(problems),
+                                            _key_id(manifest)))
                 if on_skip is not None:
                     on_skip(tier.name, info, problems)
         return None
@@ -164,40 +206,65 @@ class CheckpointStore:
         return listings
 
     def _fetch(self, step: int, checksums: bool, log: Callable[[str], None],
-               ) -> tuple[Choice | None, list[str]]:
+               ) -> tuple[Choice | None, list[str], str, dict[str, Any] | None]:
         """Copy the remote step into the primary tier and verify it there; commit it locally
-        only when it verifies (a failed fetch leaves no committed local copy)."""
+        only when it verifies (a failed fetch leaves no committed local copy).
+
+        The remote manifest is checked first: its signature, and every entry a plain
+        relative path (a key under the step's prefix), so a manifest naming ``../x`` or an
+        absolute path is refused before anything is read or written. Files are created
+        fresh inside the new local step directory, never through a link.
+        """
         assert self.remote is not None
         src, dst = self.remote.step_url(step), self.primary.step_url(step)
         manifest = self.retry(lambda: layout.read_manifest(src, self.remote.fs))
-        if manifest is None or manifest.get("format") != layout.FORMAT:
-            return None, [f"{layout.MANIFEST}: missing, unreadable or of an unknown format"]
+        if manifest is None:
+            return None, [f"{layout.MANIFEST}: missing or unreadable"], signing.UNCHECKED, None
+        problems = layout.manifest_problems(manifest)
+        outcome, denied = layout.authenticate(manifest, self.trust)
+        if denied:
+            problems.insert(0, denied)
+        if problems:
+            return None, problems, outcome, manifest
         t0 = time.perf_counter()
         layout.remove(dst, self.primary.fs)
         _, src_path = layout.filesystem(src, self.remote.fs)
         _, dst_path = layout.filesystem(dst, self.primary.fs)
         self.primary.fs.makedirs(dst_path, exist_ok=True)
         missing = []
-        for rel in sorted(manifest.get("files") or {}):
-            target = posixpath.join(dst_path, rel)
-            self.primary.fs.makedirs(posixpath.dirname(target), exist_ok=True)
-            source = posixpath.join(src_path, rel)
-            try:
-                self.retry(lambda: self.remote.fs.get_file(source, target))  # noqa: B023
-            except FileNotFoundError:
-                missing.append(f"{rel}: missing")
+        with layout.StepReader(self.remote.fs, src_path) as reader:
+            for rel in sorted(manifest["files"]):
+                try:
+                    self.retry(lambda: self._copy_in(reader, rel, dst_path))  # noqa: B023
+                except (FileNotFoundError, layout.Unsafe) as exc:
+                    missing.append(str(exc) if isinstance(exc, layout.Unsafe)
+                                   else f"{rel}: missing")
         if missing:
             layout.remove(dst, self.primary.fs)
-            return None, missing
+            return None, missing, outcome, manifest
         layout.write_manifest(dst, manifest, self.primary.fs)
-        result = layout.verify(dst, checksums=checksums, fs=self.primary.fs)
+        result = layout.verify(dst, checksums=checksums, fs=self.primary.fs, trust=self.trust)
         if not result.ok:
             layout.remove(dst, self.primary.fs)  # never leave a bad copy committed locally
-            return None, result.problems
+            return None, result.problems, result.signature, manifest
         size = sum(f.get("size", 0) for f in manifest["files"].values())
         log(f"fetched checkpoint step {step} from {src} into {dst}: {size / 2**20:.1f} MiB in "
             f"{time.perf_counter() - t0:.2f} s")
-        return Choice(step, self.primary.name, dst, manifest, fetched_from=src), []
+        return Choice(step, self.primary.name, dst, manifest, fetched_from=src), [], \
+            result.signature, manifest
+
+    def _copy_in(self, reader: layout.StepReader, rel: str, dst_path: str) -> None:
+        """One remote file into the new local step directory (``rel`` already checked)."""
+        if not layout.is_local(self.primary.fs):
+            target = posixpath.join(dst_path, rel)
+            with reader.open(rel) as src, self.primary.fs.open(target, "wb") as out:
+                shutil.copyfileobj(src, out, _COPY_CHUNK)
+            return
+        target = os.path.join(dst_path, *rel.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with reader.open(rel) as src, os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(src, out, _COPY_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -212,34 +279,65 @@ class Row:
     created: float | None
     verified: bool | None  # None: not committed, so nothing to verify
     problems: tuple[str, ...] = ()
+    signature: str | None = None  # signing.SIGNED, UNSIGNED, FORGED, NO_KEY; None: uncommitted
 
 
-def describe(root: str, checksums: bool = False, tier: str | None = None) -> list[Row]:
-    """Every step directory under a job root with its size, age and verification."""
+def describe(root: str, checksums: bool = False, tier: str | None = None,
+             trust: signing.Trust | None = None) -> list[Row]:
+    """Every step directory under a job root with its size, age and verification (the
+    signature under ``trust``; None checks integrity only)."""
     t = Tier.at(root, tier)
     rows = []
     for info in layout.list_checkpoints(t.root, t.fs):
+        if info.problem:
+            rows.append(Row(info.step, t.name, info.url, True, None, None, False,
+                            (info.problem,), signing.UNCHECKED))
+            continue
         if not info.committed:
             rows.append(Row(info.step, t.name, info.url, False, None, None, None,
                             ("uncommitted: no manifest (a save or upload that did not finish)",)))
             continue
-        result = layout.verify(info.url, checksums=checksums, fs=t.fs)
+        result = layout.verify(info.url, checksums=checksums, fs=t.fs, trust=trust)
         m = result.manifest or {}
-        size = sum(f.get("size", 0) for f in (m.get("files") or {}).values()) or None
-        rows.append(Row(info.step, t.name, info.url, True, size, m.get("created"), result.ok,
-                        tuple(result.problems)))
+        files = m.get("files") if isinstance(m.get("files"), dict) else {}
+        size = sum(f.get("size", 0) for f in files.values()
+                   if isinstance(f, dict) and isinstance(f.get("size"), int)) or None
+        created = m.get("created") if isinstance(m.get("created"), int | float) else None
+        rows.append(Row(info.step, t.name, info.url, True, size, created, result.ok,
+                        tuple(result.problems), result.signature))
     return rows
 
 
+def trust_refusals(refused: list[Refusal], trust: signing.Trust | None) -> list[Refusal]:
+    """The refusals that are about the key rather than the checkpoint: unsigned ones (not
+    trusted), signed ones with no key to check, and ones signed with another key. When
+    nothing verifies and some are these, the operator has the wrong key, not bad data."""
+    mine = trust.key_id if trust is not None else None
+    return [r for r in refused if r.signature in (signing.UNSIGNED, signing.NO_KEY)
+            or (r.signature == signing.FORGED and r.key_id is not None and r.key_id != mine)]
+
+
+def default_trust(cfg: Any, root: str) -> Callable[[], signing.Trust]:
+    """The job's trust, loaded when first needed: the key from the environment, else the
+    one beside the primary tier's root (created by the first writer, ``signing``)."""
+    def load() -> signing.Trust:
+        return signing.trust_from(cfg.local_url or root, create=True,
+                                  trust_unsigned=bool(getattr(cfg, "trust_unsigned", False)))
+    return load
+
+
 def open_store(cfg: Any, job: str, root: str,
-               retry: Callable[[Callable[[], Any]], Any] = no_retry) -> CheckpointStore:
+               retry: Callable[[Callable[[], Any]], Any] = no_retry,
+               trust: signing.Trust | None = None) -> CheckpointStore:
     """The tiers of ``job`` from a ``CheckpointConfig``: ``root`` (the checkpoint root the
-    supervisor hands out) is the only tier, or the remote one when ``cfg.local_url`` is set."""
+    supervisor hands out) is the only tier, or the remote one when ``cfg.local_url`` is set.
+    ``trust`` defaults to the job's key, read on first use (``default_trust``)."""
     main = layout.job_url(root, job)
+    key = trust if trust is not None else default_trust(cfg, root)
     if cfg.local_url:
         return CheckpointStore(Tier.at(layout.job_url(cfg.local_url, job), LOCAL),
-                               Tier.at(main, REMOTE), retry)
-    return CheckpointStore(Tier.at(main), None, retry)
+                               Tier.at(main, REMOTE), retry, key)
+    return CheckpointStore(Tier.at(main), None, retry, key)
 
 
 def resolve(url: str) -> tuple[str, int | None]:

@@ -1,6 +1,7 @@
 """The background uploader: local tier -> remote tier, one committed checkpoint at a time.
 
-For each step: verify the local copy (a file that rotted since its commit is not copied),
+For each step: verify the local copy, its signature included (a file that rotted or was
+changed since its commit is not copied),
 clear the remote step directory (debris of an upload killed midway), copy every file, check
 the remote sizes, then write the manifest: that one PUT commits the remote copy. Each request
 is retried on throttling, 5xx and dropped connections (``retry``); a permanent error or spent
@@ -15,13 +16,14 @@ unless the retention rule keeps it forever (``keep_every``). Steps queued or in 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import posixpath
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer.checkpoint import layout
+from trainer.checkpoint import layout, signing
 from trainer.checkpoint.retry import describe, retrying
 from trainer.checkpoint.store import Tier
 
@@ -37,8 +39,11 @@ class Uploader:
 
     def __init__(self, local: Tier, remote: Tier, *, keep_last: int, keep_every: int | None,
                  attempts: int, backoff_s: float, backoff_max_s: float, report: Report,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None],
+                 trust: signing.Trust | Callable[[], signing.Trust | None] | None = None,
+                 ) -> None:
         self.local = local
+        self._trust = trust
         self.remote = remote
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -53,6 +58,17 @@ class Uploader:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "ckpt-upload")
         self.uploaded: list[int] = []
         self.failed: list[int] = []
+
+    @property
+    def trust(self) -> signing.Trust | None:
+        """The job's key (the checkpointer hands over its store's when none was given)."""
+        if callable(self._trust):
+            self._trust = self._trust()
+        return self._trust
+
+    def use_trust(self, trust: signing.Trust | Callable[[], signing.Trust | None]) -> None:
+        if self._trust is None:
+            self._trust = trust
 
     @property
     def pending(self) -> set[int]:
@@ -104,19 +120,19 @@ class Uploader:
 
         retry = retrying(self._attempts, *self._backoff, on_retry=on_retry)
         try:
-            check = layout.verify(src, fs=self.local.fs)
+            check = layout.verify(src, fs=self.local.fs, trust=self.trust)
             if not check.ok or check.manifest is None:
                 raise UploadError(f"local copy fails verification: {'; '.join(check.problems)}")
             manifest = check.manifest
             retry(lambda: layout.remove(dst, self.remote.fs))
             _, src_path = layout.filesystem(src, self.local.fs)
             _, dst_path = layout.filesystem(dst, self.remote.fs)
-            for rel in sorted(manifest["files"]):
-                local_file = posixpath.join(src_path, rel)
-                remote_file = posixpath.join(dst_path, rel)
-                if not layout.is_remote(dst):  # a shared filesystem as the durable tier
-                    self.remote.fs.makedirs(posixpath.dirname(remote_file), exist_ok=True)
-                retry(lambda: self.remote.fs.put_file(local_file, remote_file))  # noqa: B023
+            with layout.StepReader(self.local.fs, src_path) as reader:
+                for rel in sorted(manifest["files"]):
+                    remote_file = posixpath.join(dst_path, rel)
+                    if not layout.is_remote(dst):  # a shared filesystem as the durable tier
+                        self.remote.fs.makedirs(posixpath.dirname(remote_file), exist_ok=True)
+                    retry(lambda: self._put(reader, src_path, rel, remote_file))  # noqa: B023
             sizes = retry(lambda: self._remote_sizes(dst_path, manifest))
             if sizes:
                 raise UploadError(f"remote copy differs after upload: {'; '.join(sizes)}")
@@ -139,6 +155,17 @@ class Uploader:
                  f"{upload_s:.2f} s ({retries} retries)")
         self._prune(step, retry)
 
+    def _put(self, reader: layout.StepReader, src_path: str, rel: str, remote_file: str,
+             ) -> None:
+        """Upload one verified file. A local one is opened without following a link and
+        handed over as ``/proc/self/fd/N``: the file checked is the file sent, even if its
+        name is swapped for a link meanwhile."""
+        if reader.local is not None and os.path.isdir("/proc/self/fd"):
+            with reader.open(rel) as f:
+                self.remote.fs.put_file(f"/proc/self/fd/{f.fileno()}", remote_file)
+            return
+        self.remote.fs.put_file(posixpath.join(src_path, rel), remote_file)
+
     def _remote_sizes(self, dst_path: str, manifest: dict[str, Any]) -> list[str]:
         problems = []
         for rel, meta in sorted(manifest["files"].items()):
@@ -149,14 +176,20 @@ class Uploader:
 
     def _prune(self, step: int, retry: Callable[[Callable[[], Any]], Any]) -> None:
         try:
-            removed = retry(lambda: layout.prune(self.remote.root, self.keep_last,
-                                                 self.keep_every, protect={step},
-                                                 fs=self.remote.fs))
+            plan = retry(lambda: layout.plan_prune(self.remote.root, self.keep_last,
+                                                   self.keep_every, protect={step},
+                                                   fs=self.remote.fs, trust=self.trust))
+            removed = retry(lambda: layout.execute_prune(plan, self.remote.fs))
         except Exception as exc:  # noqa: BLE001 - old checkpoints linger; the next prune retries
             self.log(f"pruning {self.remote.root} failed: {describe(exc)}")
             return
-        if removed:
-            self.report("checkpoint_pruned", tier=self.remote.name, steps=removed)
+        if plan.failing:
+            self.log(f"{self.remote.root}: checkpoint(s) {sorted(plan.failing)} fail "
+                     "verification: not counted toward keep_last, left in place: "
+                     + "; ".join(f"step {s}: {p[0]}" for s, p in sorted(plan.failing.items())))
+        if removed or plan.failing:
+            self.report("checkpoint_pruned", tier=self.remote.name, steps=removed,
+                        failing=sorted(plan.failing))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every queued upload has finished; False on timeout."""

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _checkpoint_files import flip_byte, make_step
+from _checkpoint_files import KEY, flip_byte, make_step, write_default_key
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
@@ -38,6 +38,8 @@ def test_tiering_config_validates_and_names_fields() -> None:
     secret = problems({"checkpoint": {"url": "s3://AKIA:hunter2@bucket/x"}})
     assert "credentials never go in the config" in secret["checkpoint.url"]
     assert "hunter2" not in json.dumps(secret)
+    assert "checkpoint.verify_on_load" in problems({"checkpoint": {"verify_on_load": False}})
+    assert validate_data({"checkpoint": {"trust_unsigned": True}}, "t").checkpoint.trust_unsigned
 
 
 def test_init_from_hf_takes_the_shape_from_config_json(tmp_path: Path) -> None:
@@ -96,40 +98,83 @@ runner = CliRunner()
 
 def test_list_verify_prune_commands(tmp_path: Path) -> None:
     job = tmp_path / "ckpt" / "job"
+    write_default_key(tmp_path / "ckpt")  # where the CLI finds it with no --key-file
     for s in (10, 20, 30):
         make_step(job, s)
     make_step(job, 40, commit=False)
     flip_byte(job / "step-00000030" / "__0_0.distcp")
 
     listed = runner.invoke(app, ["checkpoints", "list", str(job), "--json"])
-    assert listed.exit_code == 0
+    assert listed.exit_code == 0  # sizes and signatures: the flip is not seen
     rows = {r["step"]: r for r in json.loads(listed.stdout)}
     assert [rows[s]["verified"] for s in (10, 20, 30, 40)] == [True, True, True, None]
-    rows = {r["step"]: r for r in json.loads(runner.invoke(
-        app, ["checkpoints", "list", str(job), "--json", "--checksums"]).stdout)}
+    assert rows[10]["signature"] == "signed"
+    checked = runner.invoke(app, ["checkpoints", "list", str(job), "--json", "--checksums"])
+    assert checked.exit_code == 1  # a listed checkpoint fails
+    rows = {r["step"]: r for r in json.loads(checked.stdout)}
     assert rows[30]["verified"] is False and rows[30]["tier"] == "local"
-    table = runner.invoke(app, ["checkpoints", "list", str(job), "--checksums"]).stdout
-    assert "uncommitted" in table and "NO" in table and "tier" in table
+    table = runner.invoke(app, ["checkpoints", "list", str(job), "--checksums"])
+    assert table.exit_code == 1
+    assert "uncommitted" in table.stdout and "NO" in table.stdout and "signed" in table.stdout
 
     newest = runner.invoke(app, ["checkpoints", "verify", str(job)])
     assert newest.exit_code == 1
-    assert "step-00000030" in newest.stderr and "__0_0.distcp: xxh3_64" in newest.stderr
+    assert "step-00000030" in newest.stderr and "__0_0.distcp: blake3" in newest.stderr
     ok = runner.invoke(app, ["checkpoints", "verify", str(job / "step-00000020")])
-    assert ok.exit_code == 0 and "OK" in ok.stdout
+    assert ok.exit_code == 0 and "OK" in ok.stdout and "signed (key" in ok.stdout
     parent = runner.invoke(app, ["checkpoints", "verify", str(tmp_path / "ckpt")])
     assert parent.exit_code == 2 and "job(s) job" in parent.stderr
 
+    # The corrupt newest one does not count: the rule keeps step 20 and reports step 30.
     dry = runner.invoke(app, ["checkpoints", "prune", str(job), "--keep-last", "1",
                               "--dry-run"])
-    assert dry.exit_code == 0 and "would remove 2" in dry.stdout
+    assert dry.exit_code == 1 and "would remove 1" in dry.stdout
+    assert "would keep steps 20" in dry.stdout and "failing step 30" in dry.stderr
     assert len(list(job.iterdir())) == 4
     done = runner.invoke(app, ["checkpoints", "prune", str(job), "--keep-last", "1"])
-    assert done.exit_code == 0 and "steps 10, 20" in done.stdout
-    assert sorted(p.name for p in job.iterdir()) == ["step-00000030", "step-00000040"]
+    assert done.exit_code == 1 and "steps 10" in done.stdout
+    assert sorted(p.name for p in job.iterdir()) == ["step-00000020", "step-00000030",
+                                                     "step-00000040"]
+    gone = runner.invoke(app, ["checkpoints", "prune", str(job), "--keep-last", "1",
+                               "--remove-failing"])
+    assert gone.exit_code == 1 and "steps 30" in gone.stdout
+    assert sorted(p.name for p in job.iterdir()) == ["step-00000020", "step-00000040"]
+
+
+def test_verify_says_signed_unsigned_or_forged_and_sign_moves_checkpoints(
+        tmp_path: Path) -> None:
+    job = tmp_path / "ckpt" / "job"
+    write_default_key(tmp_path / "ckpt")
+    make_step(job, 10)
+    make_step(job, 20, key=None)  # unsigned: an import, or an older version's
+    make_step(job, 30, key=b"forger-key-" + b"f" * 21)
+    unsigned = runner.invoke(app, ["checkpoints", "verify", str(job / "step-00000020")])
+    assert unsigned.exit_code == 1 and "unsigned" in unsigned.stderr
+    trusted = runner.invoke(app, ["checkpoints", "verify", str(job / "step-00000020"),
+                                  "--trust-unsigned"])
+    assert trusted.exit_code == 0 and "unsigned (trusted" in trusted.stdout
+    forged = runner.invoke(app, ["checkpoints", "verify", str(job / "step-00000030")])
+    assert forged.exit_code == 1 and "forged" in forged.stderr
+
+    # Another job adopts step 10: sign it with its key after verifying with the old one.
+    other = tmp_path / "other-job.key"
+    other.write_bytes(b"other-job-key-" + b"o" * 18)
+    old = tmp_path / "old.key"
+    old.write_bytes(KEY)
+    step10 = str(job / "step-00000010")
+    refused = runner.invoke(app, ["checkpoints", "sign", step10, "--key-file", str(other)])
+    assert refused.exit_code == 1 and "not signed" in refused.stderr
+    moved = runner.invoke(app, ["checkpoints", "sign", step10, "--key-file", str(other),
+                                "--from-key-file", str(old)])
+    assert moved.exit_code == 0, moved.stderr
+    assert runner.invoke(app, ["checkpoints", "verify", step10, "--key-file",
+                               str(other)]).exit_code == 0
+    assert runner.invoke(app, ["checkpoints", "verify", step10]).exit_code == 1
 
 
 def test_export_refuses_a_checkpoint_that_fails_verification(tmp_path: Path) -> None:
-    job = tmp_path / "job"
+    job = tmp_path / "ckpt" / "job"
+    write_default_key(tmp_path / "ckpt")
     make_step(job, 10)
     flip_byte(job / "step-00000010" / "__0_0.distcp")
     out = runner.invoke(app, ["export", "--checkpoint", str(job / "step-00000010"),

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _checkpoint_files import flip_byte, make_step
+from _checkpoint_files import TRUST, flip_byte, make_step
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.store import LOCAL, REMOTE, CheckpointStore, Tier, resolve
@@ -25,7 +25,8 @@ def tiers(tmp_path: Path) -> tuple[Path, Path, CheckpointStore]:
     local, remote = tmp_path / "local" / "job", tmp_path / "remote" / "job"
     local.mkdir(parents=True)
     remote.mkdir(parents=True)
-    store = CheckpointStore(Tier.at(str(local), LOCAL), Tier.at(str(remote), REMOTE))
+    store = CheckpointStore(Tier.at(str(local), LOCAL), Tier.at(str(remote), REMOTE),
+                            trust=TRUST)
     return local, remote, store
 
 
@@ -64,7 +65,7 @@ def test_corrupt_local_copy_falls_back_to_the_remote_copy_of_the_same_step(tiers
     choice, skipped = _select(store)
     assert choice.step == 20 and choice.fetched_from is not None
     assert [(t, s) for t, s, _ in skipped] == [(LOCAL, 20)]
-    assert "xxh3_64" in skipped[0][2][0]
+    assert "blake3" in skipped[0][2][0]
     assert layout.verify(str(local / "step-00000020")).ok  # repaired from the remote copy
 
 

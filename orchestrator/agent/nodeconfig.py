@@ -1,0 +1,85 @@
+"""What the agent takes from the job's config (sent at registration): parsed once, typed.
+
+The agent runs ranks in ``job.workdir`` (``{node_id}`` substituted), offers a rendezvous port
+from ``job.master_port`` / ``job.master_port_range`` (or any free port), tells ranks
+torchrun's ``TORCHELASTIC_MAX_RESTARTS`` from ``restart.max_restarts``, and stops ranks with
+``timeouts.stop_grace_s``.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config.schema import Config
+
+PRELOAD_DIR = Path(__file__).resolve().parent.parent / "worker" / "preload"
+
+
+def preload_pythonpath(existing: str | None) -> str:
+    """PYTHONPATH with the preload hook's directory first (its sitecustomize runs first)."""
+    parts = [p for p in (existing or "").split(":") if p and p != str(PRELOAD_DIR)]
+    return ":".join([str(PRELOAD_DIR), *parts])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def any_free_port() -> int:
+    """A port free on this host right now (the OS picks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    job: str = "job"
+    max_restarts: int = 0
+    stop_grace_s: float = 10.0
+    workdir: Path | None = None
+    master_port: int | None = None
+    master_port_range: tuple[int, int] | None = None
+
+    @classmethod
+    def unknown(cls) -> NodeConfig:
+        """Before the first registration: defaults, any free port."""
+        return cls()
+
+    @classmethod
+    def from_config(cls, data: dict[str, Any], node_id: str) -> NodeConfig:
+        """Parse the supervisor's resolved config (pydantic validation error if malformed)."""
+        cfg = Config.model_validate(data)
+        job = cfg.job
+        workdir = None
+        if job.workdir is not None:
+            workdir = Path(job.workdir.format(node_id=node_id)).expanduser().absolute()
+        return cls(job=job.name, max_restarts=cfg.restart.max_restarts,
+                   stop_grace_s=cfg.timeouts.stop_grace_s, workdir=workdir,
+                   master_port=job.master_port, master_port_range=job.master_port_range)
+
+    def free_port(self) -> int:
+        """The rendezvous port this node offers: the fixed one, a free one in the range
+        (from a random start, so nodes sharing a host rarely pick the same), or any."""
+        if self.master_port is not None:
+            return self.master_port
+        if self.master_port_range is not None:
+            low, high = self.master_port_range
+            span = high - low + 1
+            start = random.randrange(span)
+            for i in range(span):
+                port = low + (start + i) % span
+                if _bindable(port):
+                    return port
+            return low + start  # none free now: the rendezvous reports the clash
+        return any_free_port()

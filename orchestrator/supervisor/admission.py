@@ -1,0 +1,160 @@
+"""What a node may say: a pure check of one parsed message against the node's place in the job.
+
+The API server authenticates the node (``orchestrator.auth``), parses the message
+(``orchestrator.protocol``), then asks here whether this node may send it. A node speaks for
+itself and for the ranks of its slice of the newest generation only:
+
+- every message names the authenticated node (``node_id``); a result of a health check too;
+- ranks it reports (heartbeats, starts, exits, worker events) lie inside the job's world; for
+  the newest launched generation, inside the node's own slice of it (``Slice``, from the
+  journal's ``generation_launched``, so it holds across a supervisor restart and for spares,
+  whose slice is empty); a generation not launched yet is refused (no exit can be sent
+  ahead for a generation to come); an older generation's straggler passes (intake ignores
+  what it no longer needs);
+- a calibration value (``step_interval_max``) stays under ``limits.max_step_interval_s``;
+- a registration does not move a live node to another address, nor add a node past
+  ``limits.max_nodes``.
+
+Every function returns None (accept) or a ``Refusal`` (HTTP status and reason). Nothing here
+reads the supervisor; the server passes in what it knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from orchestrator.protocol import (
+    EventBatch,
+    HealthReport,
+    Heartbeat,
+    RankExit,
+    RanksStarted,
+    RegisterRequest,
+    WorkerEvent,
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    world_size: int
+    max_step_interval_s: float
+    max_nodes: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int  # 403: not this node's to say; 409: conflicts with what is live
+    reason: str
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A node's ranks ``[lo, hi)`` in the newest launched generation (empty if not in it)."""
+
+    generation: int
+    lo: int = 0
+    hi: int = 0
+
+
+@dataclass(frozen=True)
+class KnownNode:
+    """What the server knows of a registered node (from intake's registry)."""
+
+    host: str
+    addr: str
+    live: bool  # registered, active or spare, and heard from within node_lost_s
+
+
+def _forged(reason: str) -> Refusal:
+    return Refusal(403, reason)
+
+
+def check_node_id(principal: str, claimed: str) -> Refusal | None:
+    if claimed != principal:
+        return _forged(f"node {principal} sent a message as node {claimed!r}")
+    return None
+
+
+def check_register(principal: str, req: RegisterRequest, known: KnownNode | None,
+                   node_count: int, current: Slice | None, limits: Limits) -> Refusal | None:
+    refusal = check_node_id(principal, req.node_id)
+    if refusal is not None:
+        return refusal
+    if known is None and node_count >= limits.max_nodes:
+        return Refusal(403, f"{node_count} nodes are registered; api.max_nodes is "
+                            f"{limits.max_nodes}")
+    if known is not None and known.live and (req.addr, req.host) != (known.addr, known.host):
+        return Refusal(409, f"node {principal} is live at {known.addr} ({known.host}); it "
+                            "may register another address once it is lost")
+    return _ranks(principal, req.generation, req.ranks, current, limits)
+
+
+def check_heartbeat(principal: str, hb: Heartbeat, current: Slice | None,
+                    limits: Limits) -> Refusal | None:
+    refusal = check_node_id(principal, hb.node_id)
+    if refusal is not None:
+        return refusal
+    return _ranks(principal, hb.generation, hb.ranks, current, limits)
+
+
+def check_events(principal: str, batch: EventBatch, current: Slice | None,
+                 limits: Limits) -> Refusal | None:
+    refusal = check_node_id(principal, batch.node_id)
+    if refusal is not None:
+        return refusal
+    for i, ev in enumerate(batch.events):
+        if isinstance(ev, HealthReport):
+            others = {r.get("node_id") for r in ev.results} - {principal}
+            if others:
+                return _forged(f"node {principal} reported health results of another node "
+                               f"(event {i})")
+            continue
+        if isinstance(ev, RankExit | WorkerEvent):
+            ranks: Iterable[int] = (ev.rank,)
+        elif isinstance(ev, RanksStarted):
+            ranks = (r.rank for r in ev.ranks)
+        else:  # RanksStopped: names no rank, but a generation
+            ranks = ()
+        refusal = _rank_numbers(principal, ev.generation, ranks, current, limits,
+                                what=f"event {i} ({ev.type})")
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def _ranks(principal: str, generation: int | None, infos: Iterable, current: Slice | None,
+           limits: Limits) -> Refusal | None:
+    infos = list(infos)
+    for info in infos:
+        if info.step_interval_max is not None and \
+                info.step_interval_max > limits.max_step_interval_s:
+            return Refusal(403, f"rank {info.rank} reports a step interval of "
+                                f"{info.step_interval_max:g} s; api.max_step_interval_s is "
+                                f"{limits.max_step_interval_s:g}")
+    ranks = [i.rank for i in infos]
+    if generation is None:
+        if ranks:
+            return _forged(f"node {principal}: reports ranks {ranks[:3]} of no generation")
+        return None
+    return _rank_numbers(principal, generation, ranks, current, limits, what="ranks")
+
+
+def _rank_numbers(principal: str, generation: int, ranks: Iterable[int],
+                  current: Slice | None, limits: Limits, what: str) -> Refusal | None:
+    ranks = list(ranks)
+    outside = [r for r in ranks if r >= limits.world_size]
+    if outside:
+        return _forged(f"node {principal}: {what} names rank {outside[0]}, outside the "
+                       f"world of {limits.world_size}")
+    if current is None or generation > current.generation:
+        newest = "none" if current is None else str(current.generation)
+        return _forged(f"node {principal}: {what} for generation {generation}, which was "
+                       f"never launched (newest: {newest})")
+    if generation == current.generation:
+        foreign = [r for r in ranks if not current.lo <= r < current.hi]
+        if foreign:
+            mine = f"{current.lo}..{current.hi - 1}" if current.hi > current.lo else "none"
+            return _forged(f"node {principal}: {what} names rank {foreign[0]}; its ranks in "
+                           f"generation {generation} are {mine}")
+    return None  # an older generation's straggler: intake ignores what it no longer needs

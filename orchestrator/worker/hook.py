@@ -1,0 +1,101 @@
+"""The preload hook: progress and stacks from any training script, with no code change.
+
+``orchestrator/worker/preload/sitecustomize.py`` calls :func:`install` at interpreter
+start-up in every rank the agent starts. It
+
+- starts the worker SDK's heartbeat thread (``orchestrator.worker``'s shared worker);
+- counts optimizer steps through torch's global optimizer step post hook, once
+  ``torch.optim`` is imported, and reports them as the rank's steps: the rank's phase turns
+  ``training`` at its first optimizer step and the step intervals calibrate the hang timeout;
+- installs the faulthandler stack dump on SIGUSR1 (the SDK's, into the run's ``stacks/``);
+- sets torch.distributed's default collective timeout to the supervisor's choice
+  (``ORCH_COLLECTIVE_TIMEOUT_S``) once ``torch.distributed`` is imported, so a script that
+  passes no timeout gets ours instead of gloo's 30 minutes.
+
+A script that also uses the SDK (``orchestrator.worker.init()``) takes over its steps and
+phases: from then on the hook's optimizer count is ignored. The hook imports neither torch
+nor anything heavy itself; it acts when the script imports torch. It runs only in the rank's
+own process (``ORCH_HOOK_PID``): a DataLoader worker or a subprocess the script starts
+inherits the environment but sends nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import threading
+import weakref
+from collections.abc import MutableMapping
+from typing import Any
+
+from orchestrator import envcontract as ec
+
+_OPTIMIZER_MODULE = "torch.optim.optimizer"
+_C10D_MODULE = "torch.distributed.distributed_c10d"
+
+
+class StepCounter:
+    """Optimizer steps of this process; the rank's step is the most-stepped optimizer's count
+    (a GAN's two optimizers, or a model split over two, step once per iteration each)."""
+
+    def __init__(self, on_step: Any) -> None:
+        self._counts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._on_step = on_step
+        self.steps = 0
+
+    def __call__(self, optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
+        with self._lock:
+            n = self._counts.get(optimizer, 0) + 1
+            self._counts[optimizer] = n
+            advanced = n > self.steps
+            if advanced:
+                self.steps = n
+        if advanced:
+            self._on_step(n)
+
+
+def set_default_collective_timeout(c10d: Any, seconds: float) -> None:
+    """torch.distributed's default timeout for every backend (a call passing its own
+    ``timeout=`` keeps it)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
+
+
+def install(env: MutableMapping[str, str] | None = None) -> bool:
+    """Install the hook in this process; False when it does not apply (not a managed rank,
+    or a child of one)."""
+    env = os.environ if env is None else env
+    agent = ec.AgentEnv.from_env(env)
+    if not agent.managed:
+        return False
+    owner = ec.get_int(env, ec.HOOK_PID, None)
+    if owner is not None and owner != os.getpid():
+        return False  # a child of the rank: the rank itself reports
+    env[ec.HOOK_PID] = str(os.getpid())
+    import orchestrator.worker as ow
+
+    worker = ow.start_from_hook(env)
+    atexit.register(ow.shutdown)
+    _register_torch_hooks(worker, ec.GenerationEnv.from_env(env).collective_timeout_s)
+    return True
+
+
+def _register_torch_hooks(worker: Any, collective_timeout_s: float | None) -> None:
+    from wrapt import register_post_import_hook
+
+    counter = StepCounter(worker.optimizer_stepped)
+
+    def on_optimizer(module: Any) -> None:
+        module.register_optimizer_step_post_hook(counter)
+
+    register_post_import_hook(on_optimizer, _OPTIMIZER_MODULE)
+    if collective_timeout_s is not None:
+        def on_c10d(module: Any) -> None:
+            set_default_collective_timeout(module, collective_timeout_s)
+
+        register_post_import_hook(on_c10d, _C10D_MODULE)
+

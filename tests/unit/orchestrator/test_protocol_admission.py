@@ -1,0 +1,172 @@
+"""Identity and admission: a node's credential names it, and it may speak only for itself and
+the ranks of its current assignment (the forgeries of issue 11, as pure checks)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.auth import (
+    Principal,
+    authenticate,
+    bearer_of,
+    is_node_credential,
+    node_credential,
+)
+from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest
+from orchestrator.supervisor.admission import (
+    KnownNode,
+    Limits,
+    Slice,
+    check_events,
+    check_heartbeat,
+    check_register,
+)
+
+SECRET = "s3cret-job-token-for-tests"
+LIMITS = Limits(world_size=4, max_step_interval_s=3600.0, max_nodes=3)
+# local-1 runs ranks 2 and 3 of generation 5 (the newest launched); a spare runs none.
+RUNNING = Slice(generation=5, lo=2, hi=4)
+SPARE = Slice(generation=5)
+
+
+def test_a_credential_authenticates_its_node_only() -> None:
+    cred = node_credential(SECRET, "local-1")
+    assert is_node_credential(cred)
+    assert authenticate(SECRET, cred) == Principal("node", "local-1")
+    assert authenticate(SECRET, SECRET) == Principal("operator")
+    assert authenticate("another-secret", cred) is None
+    forged = cred.replace("local-1", "local-2")  # same MAC, another node's id
+    assert authenticate(SECRET, forged) is None
+    assert authenticate(SECRET, cred[:-1] + ("0" if cred[-1] != "0" else "1")) is None
+    assert authenticate(SECRET, "") is None
+    assert authenticate(SECRET, "\udcff" + SECRET) is None  # undecodable header bytes
+    assert authenticate("", "") is None
+    assert bearer_of(f"Bearer {cred}") == cred and bearer_of(f"bearer  {cred} ") == cred
+    assert bearer_of(f"Basic {cred}") == "" and bearer_of("") == ""
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(codec=None), max_size=200))
+def test_no_random_bearer_authenticates(bearer: str) -> None:
+    assert authenticate(SECRET, bearer) is None
+
+
+def _hb(node: str, generation: int | None, *ranks: int, interval: float | None = None) -> Heartbeat:
+    return Heartbeat(node_id=node, generation=generation,
+                     ranks=[{"rank": r, "local_rank": 0, "step_interval_max": interval}
+                            for r in ranks])
+
+
+def test_heartbeats_only_for_the_nodes_own_ranks() -> None:
+    assert check_heartbeat("local-1", _hb("local-1", 5, 2, 3), RUNNING, LIMITS) is None
+    assert check_heartbeat("local-1", _hb("local-1", 5), RUNNING, LIMITS) is None
+    # Another node's rank in the current generation, or a rank outside the world (5000).
+    for ranks in ((0,), (2, 1), (5000,), (4,)):
+        refusal = check_heartbeat("local-1", _hb("local-1", 5, *ranks), RUNNING, LIMITS)
+        assert refusal is not None and refusal.status == 403, ranks
+    # Speaking as another node.
+    refusal = check_heartbeat("local-1", _hb("local-0", 5, 0), RUNNING, LIMITS)
+    assert refusal is not None and "as node 'local-0'" in refusal.reason
+    # A generation not launched yet: no heartbeat, exit or event can be sent ahead for it.
+    assert check_heartbeat("local-1", _hb("local-1", 6, 2), RUNNING, LIMITS) is not None
+    assert check_heartbeat("local-1", _hb("local-1", 0, 0), None, LIMITS) is not None
+    # An older generation's straggler is harmless (intake ignores it) and not a forgery.
+    assert check_heartbeat("local-1", _hb("local-1", 4, 0), RUNNING, LIMITS) is None
+    # A spare has no ranks in the current generation; an idle node reports none at all.
+    assert check_heartbeat("spare-0", _hb("spare-0", 5, 0), SPARE, LIMITS) is not None
+    assert check_heartbeat("spare-0", _hb("spare-0", None), SPARE, LIMITS) is None
+    assert check_heartbeat("spare-0", _hb("spare-0", None, 0), SPARE, LIMITS) is not None
+
+
+def test_calibration_is_bounded() -> None:
+    ok = _hb("local-1", 5, 2, interval=3600.0)
+    assert check_heartbeat("local-1", ok, RUNNING, LIMITS) is None
+    big = _hb("local-1", 5, 2, interval=3600.5)
+    refusal = check_heartbeat("local-1", big, RUNNING, LIMITS)
+    assert refusal is not None and "max_step_interval_s" in refusal.reason
+
+
+def _events(node: str, *events: dict) -> EventBatch:
+    return EventBatch.model_validate({"node_id": node, "events": list(events)})
+
+
+def _exit(rank: int, generation: int = 5, code: int = 0) -> dict:
+    return {"type": "rank_exit", "generation": generation, "rank": rank, "exit_code": code,
+            "ts": time.time()}
+
+
+def test_exits_only_for_the_nodes_own_ranks() -> None:
+    assert check_events("local-1", _events("local-1", _exit(2), _exit(3)), RUNNING,
+                        LIMITS) is None
+    # The issue's attacks: an exit of a rank on another node; clean exits of ranks 1000/1001.
+    for batch in (_events("local-1", _exit(0, code=1)),
+                  _events("local-1", _exit(1000), _exit(1001)),
+                  _events("local-1", _exit(2), _exit(1))):
+        refusal = check_events("local-1", batch, RUNNING, LIMITS)
+        assert refusal is not None and refusal.status == 403
+    started = {"type": "ranks_started", "generation": 5, "ts": 1.0,
+               "ranks": [{"rank": 0, "local_rank": 0}]}
+    assert check_events("local-1", _events("local-1", started), RUNNING, LIMITS) is not None
+    worker = {"type": "worker", "generation": 5, "rank": 0, "name": "checkpoint_committed",
+              "data": {"step": 10}, "ts": 1.0}
+    assert check_events("local-1", _events("local-1", worker), RUNNING, LIMITS) is not None
+    worker["rank"] = 2
+    assert check_events("local-1", _events("local-1", worker), RUNNING, LIMITS) is None
+    stopped = {"type": "ranks_stopped", "generation": 5, "ts": 1.0}
+    assert check_events("local-1", _events("local-1", stopped), RUNNING, LIMITS) is None
+    assert check_events("local-1", _events("local-0", stopped), RUNNING, LIMITS) is not None
+    # A spare (or a node before any launch) cannot report an exit of a running rank.
+    assert check_events("spare-0", _events("spare-0", _exit(2, code=1)), SPARE,
+                        LIMITS) is not None
+    assert check_events("local-1", _events("local-1", _exit(2, code=1)), None,
+                        LIMITS) is not None
+
+
+def test_health_results_only_for_the_node_itself() -> None:
+    def report(node: str) -> dict:
+        return {"type": "health", "nonce": "n", "stage": "node", "sent_ts": 1.0,
+                "results": [{"node_id": node, "check": "disk", "ok": False,
+                             "severity": "fatal", "message": "full", "duration_s": 0.1,
+                             "level": "quick"}]}
+    assert check_events("local-1", _events("local-1", report("local-1")), RUNNING,
+                        LIMITS) is None
+    assert check_events("local-1", _events("local-1", report("local-0")), RUNNING,
+                        LIMITS) is not None
+
+
+def _reg(node: str, addr: str = "10.0.0.2", host: str = "h2") -> RegisterRequest:
+    return RegisterRequest(node_id=node, host=host, addr=addr, procs=1, agent_pid=1)
+
+
+def test_registration_names_itself_keeps_a_live_address_and_a_node_limit() -> None:
+    live = KnownNode(host="h2", addr="10.0.0.2", live=True)
+    lost = KnownNode(host="h2", addr="10.0.0.2", live=False)
+    assert check_register("local-1", _reg("local-1"), None, 0, None, LIMITS) is None
+    assert check_register("local-1", _reg("local-0"), None, 0, None, LIMITS).status == 403
+    assert check_register("local-1", _reg("local-1"), live, 2, RUNNING, LIMITS) is None
+    moved = check_register("local-1", _reg("local-1", addr="6.6.6.6"), live, 2, RUNNING,
+                           LIMITS)
+    assert moved is not None and moved.status == 409
+    assert check_register("local-1", _reg("local-1", addr="6.6.6.6"), lost, 2, RUNNING,
+                          LIMITS) is None
+    full = check_register("local-9", _reg("local-9"), None, 3, RUNNING, LIMITS)
+    assert full is not None and "max_nodes" in full.reason
+    assert check_register("local-1", _reg("local-1"), live, 3, RUNNING, LIMITS) is None
+
+
+@pytest.mark.parametrize("rank", [0, 1, 4, 1000])
+def test_a_registration_may_not_claim_foreign_ranks(rank: int) -> None:
+    req = RegisterRequest(node_id="local-1", host="h2", addr="10.0.0.2", procs=1,
+                          agent_pid=1, generation=5,
+                          ranks=[{"rank": rank, "local_rank": 0}])
+    known = KnownNode(host="h2", addr="10.0.0.2", live=True)
+    assert check_register("local-1", req, known, 2, RUNNING, LIMITS) is not None
+    # Its own ranks, re-registering after a supervisor restart, are accepted.
+    own = RegisterRequest(node_id="local-1", host="h2", addr="10.0.0.2", procs=1, agent_pid=1,
+                          generation=5, ranks=[{"rank": 2, "local_rank": 0},
+                                               {"rank": 3, "local_rank": 1}])
+    assert check_register("local-1", own, known, 2, RUNNING, LIMITS) is None
