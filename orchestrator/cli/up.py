@@ -113,7 +113,7 @@ def _point_latest(run_root: Path, run_dir: Path) -> None:
 def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_at: list[int],
             resume: Path | None, extra: list[str]) -> int:
     """Start the same command in the background, in its own session; write a pid file."""
-    cmd = [sys.executable, "-m", "orchestrator", "up"]
+    cmd = [sys.executable, "-P", "-m", "orchestrator", "up"]
     if resume is not None:
         cmd += ["--resume", str(run.root)]
     else:
@@ -193,7 +193,9 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        console.print(f"[red]error[/red] cannot listen on {cfg.metrics.host}:"
+        from orchestrator.supervisor.server import bind_host
+
+        console.print(f"[red]error[/red] cannot listen on {cfg.metrics.host or bind_host(cfg)}:"
                       f"{cfg.metrics.port}: the port is in use (set metrics.port, or 0 for a "
                       "free one)")
         return 2

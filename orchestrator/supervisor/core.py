@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator import events as ev
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
+from orchestrator.envcontract import read_token
 from orchestrator.events import Envelope, Event
 from orchestrator.health.base import Level
 from orchestrator.health.coordinator import HealthCoordinator
@@ -82,7 +83,7 @@ class Supervisor:
         self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
         self.ctx = JobContext(cfg, run, clock, self.recorder, self.log, self.checkpoint_root)
         self.policy = RestartPolicy(cfg.restart)
-        self.token = run.ensure_token(os.environ.get("ORCH_TOKEN") or None)
+        self.token = run.ensure_token(read_token(os.environ) or None)
         self.launcher = launcher or build_launcher(cfg, self.record)
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
@@ -189,7 +190,8 @@ class Supervisor:
             config_hash=config_hash(self.cfg), world_size=self.cfg.cluster.world_size,
             nodes=self.cfg.cluster.nodes, spares=self.cfg.cluster.spares,
             steps=self.cfg.trainer.steps, checkpoint_root=self.checkpoint_root,
-            launcher=self.cfg.launcher.kind), durable=True)
+            launcher=self.cfg.launcher.kind, own_script=bool(self.cfg.job.entrypoint)),
+            durable=True)
 
     def agent_spec(self) -> AgentSpec:
         from orchestrator.launchers.base import default_python
