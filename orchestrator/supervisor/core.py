@@ -279,6 +279,10 @@ class Supervisor:
         outcome = await self.parts.adopt(generation) if adopting else None
         if outcome is None:
             outcome = await self.parts.observe(generation, adopting=adopting)
+        if outcome is not None and outcome.cause is Cause.OPERATOR:
+            stop = self._operator_stop(self.view.state, always=True)
+            assert stop is not None  # LAUNCHING or RUNNING: a stop goes through STOPPING
+            return stop
         if outcome is not None:
             return Next(JobState.STOPPING, cause=outcome.cause, carry=outcome)
         self.intake.progress.journal_progress()
