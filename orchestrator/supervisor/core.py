@@ -189,7 +189,9 @@ class Supervisor:
             job=self.cfg.job.name, run_dir=str(self.rundir.root),
             config_hash=config_hash(self.cfg), world_size=self.cfg.cluster.world_size,
             nodes=self.cfg.cluster.nodes, spares=self.cfg.cluster.spares,
-            steps=self.cfg.trainer.steps, checkpoint_root=self.checkpoint_root,
+            # A script of the user's own: the trainer's step total is not its total.
+            steps=0 if self.cfg.job.entrypoint else self.cfg.trainer.steps,
+            checkpoint_root=self.checkpoint_root,
             launcher=self.cfg.launcher.kind, own_script=bool(self.cfg.job.entrypoint)),
             durable=True)
 
