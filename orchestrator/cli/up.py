@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from orchestrator.cli.live import LogFormat, Verbosity
-from orchestrator.cli.liveness import api_urls, healthz, supervisor_info
+from orchestrator.cli.liveness import api_ssl_context, api_urls, healthz, supervisor_info
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
@@ -158,7 +158,7 @@ def _wait_listening(run: RunDir, proc: subprocess.Popen) -> int | None:
             code = proc.poll()
             info = supervisor_info(run)
             if info and info.get("pid") == proc.pid and any(
-                    healthz(u) for u in api_urls(info)):
+                    healthz(u, context=api_ssl_context(run)) for u in api_urls(info)):
                 return None
             if code is not None:
                 return code or 1

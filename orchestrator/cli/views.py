@@ -101,7 +101,10 @@ def _api_status(run: RunDir, url: str) -> dict | None:
     req = urllib.request.Request(f"{url}/v1/status", headers={
         "Authorization": f"Bearer {run.ensure_token()}"})
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        from orchestrator.cli.liveness import api_ssl_context
+
+        context = api_ssl_context(run) if url.startswith("https") else None
+        with urllib.request.urlopen(req, timeout=5, context=context) as resp:
             data = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
