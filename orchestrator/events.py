@@ -112,6 +112,7 @@ class JobCreated(Event):
     steps: Count = 0
     checkpoint_root: Text = ""
     launcher: Name = ""
+    own_script: bool = False  # job.entrypoint is set: the user's script, not our trainer
 
 
 class SupervisorStarted(Event):

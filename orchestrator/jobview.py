@@ -68,6 +68,7 @@ class JobView:
     first_steps: dict[int, int] = field(default_factory=dict)
     recovery_delay_s: float | None = None  # the backoff of the newest RECOVERING move
     segments: int = 1  # a stopped job continued with `up --resume` starts another
+    own_script: bool = False  # job.entrypoint: the user's script, its own checkpoints
 
     @classmethod
     def from_events(cls, events: Iterable[Envelope | dict[str, Any]]) -> JobView:
@@ -94,6 +95,7 @@ class JobView:
         self.job, self.run_dir, self.config_hash = e.job, e.run_dir, e.config_hash
         self.world_size, self.total_steps = e.world_size, e.steps
         self.checkpoint_root = e.checkpoint_root
+        self.own_script = e.own_script
         self.created_ts = ts
 
     def _on_supervisor_started(self, e: ev.SupervisorStarted, ts: float) -> None:
@@ -218,14 +220,18 @@ class JobView:
         return live[-1]["step"] if live else None
 
     def restarts_without_progress(self) -> int:
-        """Failures in a row, counted back from the newest, with no new checkpoint between.
+        """Failures in a row, counted back from the newest, that made no progress.
 
         A failure made "progress" when a checkpoint newer than the one available at the
-        previous failure was committed before it.
+        previous failure was committed before it. A script of the user's own keeps its own
+        checkpoints, which the orchestrator does not see: for it, a generation that advanced
+        optimizer steps (counted by the SDK or the preload hook) made progress.
         """
         count = 0
         steps_at_failure = [f.get("newest_checkpoint_step") for f in self.failures]
         for i in range(len(steps_at_failure) - 1, -1, -1):
+            if self.own_script and self._steps_advanced(self.failures[i]) > 0:
+                break
             previous = steps_at_failure[i - 1] if i > 0 else None
             current = steps_at_failure[i]
             if i > 0 and (current or -1) > (previous or -1):
@@ -234,6 +240,12 @@ class JobView:
                 break
             count += 1
         return count
+
+    def _steps_advanced(self, failure: dict[str, Any]) -> int:
+        """Optimizer steps the failed generation made (its first step to its last)."""
+        first = self.first_steps.get(failure.get("generation") or -1)
+        last = failure.get("last_step")
+        return 0 if first is None or last is None else max(0, last - first + 1)
 
     def cause_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

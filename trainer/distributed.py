@@ -31,6 +31,9 @@ class DistContext:
     device: torch.device
     backend: str
     ckpt_group: dist.ProcessGroup | None  # dedicated gloo group for checkpoint I/O
+    # A gloo group of its own for the training loop's control decisions (the operator's
+    # stop): never shared with the async-save thread's collectives on ckpt_group.
+    control_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -98,6 +101,8 @@ def init_distributed(cfg: TrainerConfig) -> DistContext:
         # Checkpoint collectives run on their own gloo group, in the async-save thread, so
         # they never queue behind (or interleave with) the training step's collectives.
         ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+        control_group = dist.new_group(backend="gloo", timeout=timeout)
+        return DistContext(rank, local_rank, world, device, backend, ckpt_group, control_group)
     return DistContext(rank, local_rank, world, device, backend, ckpt_group)
 
 

@@ -80,6 +80,23 @@ def train_step(p: Parts) -> dict[str, Any]:
     return record
 
 
+def _stop_requested(p: Parts) -> bool:
+    """Whether any rank was asked for a checkpoint and a stop (an operator's stop reaches
+    the ranks a few milliseconds apart): every rank takes the same answer at the same step,
+    from a MAX over the loop's own gloo group, a 4-byte CPU all-reduce that never waits on
+    the accelerator."""
+    asked = bool(getattr(p.worker, "checkpoint_requested", False))
+    group = getattr(p.dctx, "control_group", None)
+    if group is None:
+        return asked
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if asked else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def train(p: Parts) -> None:
     """Steps until ``cfg.steps``; checkpoints every interval and always at the last step."""
     cfg = p.cfg
@@ -94,7 +111,8 @@ def train(p: Parts) -> None:
             p.worker.event("startup", first_step_done=time.time(), **p.startup)
         first = False
         step = p.progress.step
-        if step % p.checkpoint_interval == 0 or step == cfg.steps:
+        stop = _stop_requested(p)
+        if step % p.checkpoint_interval == 0 or step == cfg.steps or stop:
             with p.worker.phase("checkpointing"):
                 if p.slow_checkpoint_s:
                     time.sleep(p.slow_checkpoint_s)
@@ -109,6 +127,10 @@ def train(p: Parts) -> None:
                   f"step_time {rec['step_time'] * 1000:.0f} ms"
                   + (" (update skipped)" if rec.get("skipped") else "")
                   + ("" if math.isfinite(loss) else " NON-FINITE LOSS"))
+        if stop:
+            if p.dctx.is_main:
+                p.log(f"stopping after step {step}: the operator's stop asked for a checkpoint")
+            break
     # The last save and its upload: a phase of its own, so the hang timeout of a phase with
     # no steps (checkpointing) applies, not the calibrated step interval.
     with p.worker.phase("checkpointing"):

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
@@ -36,6 +38,7 @@ from orchestrator.protocol import (
     RegisterRequest,
     RegisterResponse,
     WorkerEvent,
+    keep_valid_records,
 )
 
 # Events held while the supervisor is unreachable; beyond this the oldest are dropped.
@@ -171,10 +174,21 @@ class Agent:
             if not self._registered.is_set():
                 continue
             generation, records = self.hub.take_records()
-            hb = Heartbeat(node_id=self.node_id,
-                           generation=self.ranks.generation if self.ranks else None,
-                           free_port=self._port(), ranks=self._rank_infos(),
-                           records=records)
+            # One bad record (a user's metric that is a list, a 10 kB string) must not make
+            # the beat unsendable, nor end this loop: it is dropped, and said once a beat.
+            records, dropped = keep_valid_records(records)
+            if dropped:
+                self.log.warning("step records dropped: not valid for the protocol",
+                                 dropped=dropped)
+            try:
+                hb = Heartbeat(node_id=self.node_id,
+                               generation=self.ranks.generation if self.ranks else None,
+                               free_port=self._port(), ranks=self._rank_infos(),
+                               records=records)
+            except ValidationError as exc:
+                self.log.error("heartbeat not sent: its ranks' figures are not valid",
+                               error=str(exc)[:500])
+                continue
             try:
                 await self.client.request("POST", "/v1/heartbeat",
                                           json=hb.model_dump(mode="json"), timeout=5.0)
@@ -349,7 +363,9 @@ class Agent:
             return False
         except SupervisorError as exc:
             self._forget_registration(exc)
-            if exc.status == 422:  # a bad event must not block the ones behind it
+            # A bad event (422), one this node may not send (403) or too large a batch (413)
+            # is dropped: it must not block the ones behind it forever.
+            if exc.status in (403, 413, 422):
                 self.log.error("supervisor rejected events", error=str(exc))
                 del self._events[:len(batch)]
             return False

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from orchestrator.cli.liveness import check as supervisor_liveness
-from orchestrator.cli.liveness import resume_command
+from orchestrator.cli.liveness import api_ssl_context, resume_command
 from orchestrator.envcontract import TOKEN, read_token
 from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
@@ -56,7 +56,8 @@ def stop_job(run_dir: Path | None, timeout: float, checkpoint: bool = True) -> i
                                      "Authorization": f"Bearer {run.ensure_token()}",
                                      "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        context = api_ssl_context(run) if url.startswith("https") else None
+        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
             resp.read()
     except (urllib.error.URLError, OSError) as exc:
         console.print(f"[red]error[/red] the supervisor at {url} did not answer: {exc}\n"

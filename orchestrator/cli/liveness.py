@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -101,9 +102,25 @@ def api_urls(info: dict[str, Any] | None) -> list[str]:
     return list(dict.fromkeys(urls))
 
 
-def healthz(url: str, timeout: float = _HEALTHZ_TIMEOUT_S) -> bool:
+def api_ssl_context(run: RunDir) -> ssl.SSLContext | None:
+    """For a supervisor serving TLS (``api.tls_ca`` in the run's config): a context that
+    trusts that CA; None for plain HTTP or when the config cannot be read."""
     try:
-        with urllib.request.urlopen(f"{url}/healthz", timeout=timeout) as resp:
+        import yaml
+
+        cfg = yaml.safe_load(run.config.read_text())
+        ca = (cfg.get("api") or {}).get("tls_ca") if isinstance(cfg, dict) else None
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+    return ssl.create_default_context(cafile=ca) if isinstance(ca, str) and ca else None
+
+
+def healthz(url: str, timeout: float = _HEALTHZ_TIMEOUT_S,
+            context: ssl.SSLContext | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=timeout,
+                                    context=context if url.startswith("https") else None) \
+                as resp:
             body = json.loads(resp.read(65536))
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -122,5 +139,6 @@ def check(run: RunDir) -> Liveness:
     alive = (pid is not None and pid != os.getpid() and pid_alive(pid)
              and _is_orchestrator(pid))
     urls = api_urls(info)
-    ok_url = next((u for u in urls if healthz(u)), None)
+    context = api_ssl_context(run)
+    ok_url = next((u for u in urls if healthz(u, context=context)), None)
     return Liveness(pid, alive, ok_url or (urls[0] if urls else None), ok_url is not None)

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from orchestrator.cli.live import LogFormat, Verbosity
-from orchestrator.cli.liveness import api_urls, healthz, supervisor_info
+from orchestrator.cli.liveness import api_ssl_context, api_urls, healthz, supervisor_info
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
@@ -113,7 +113,7 @@ def _point_latest(run_root: Path, run_dir: Path) -> None:
 def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_at: list[int],
             resume: Path | None, extra: list[str]) -> int:
     """Start the same command in the background, in its own session; write a pid file."""
-    cmd = [sys.executable, "-m", "orchestrator", "up"]
+    cmd = [sys.executable, "-P", "-m", "orchestrator", "up"]
     if resume is not None:
         cmd += ["--resume", str(run.root)]
     else:
@@ -158,7 +158,7 @@ def _wait_listening(run: RunDir, proc: subprocess.Popen) -> int | None:
             code = proc.poll()
             info = supervisor_info(run)
             if info and info.get("pid") == proc.pid and any(
-                    healthz(u) for u in api_urls(info)):
+                    healthz(u, context=api_ssl_context(run)) for u in api_urls(info)):
                 return None
             if code is not None:
                 return code or 1
@@ -193,7 +193,9 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        console.print(f"[red]error[/red] cannot listen on {cfg.metrics.host}:"
+        from orchestrator.supervisor.server import bind_host
+
+        console.print(f"[red]error[/red] cannot listen on {cfg.metrics.host or bind_host(cfg)}:"
                       f"{cfg.metrics.port}: the port is in use (set metrics.port, or 0 for a "
                       "free one)")
         return 2

@@ -38,7 +38,9 @@ def print_summary(run: RunDir) -> None:
     table = Table(title=f"job {view.job}: {s['state']}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("steps", f"{s['steps']} / {s['total_steps']}")
+    # A script of the user's own has no step total we know of: none is invented.
+    table.add_row("steps", f"{s['steps']} / {s['total_steps']}" if s["total_steps"]
+                  else f"{s['steps']} (optimizer steps)")
     table.add_row("tokens", f"{s['tokens']:,}" if s["tokens"] else "0")
     table.add_row("final loss", "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}")
     table.add_row("wall time", _fmt_s(s["wall_time_s"]))
@@ -99,7 +101,10 @@ def _api_status(run: RunDir, url: str) -> dict | None:
     req = urllib.request.Request(f"{url}/v1/status", headers={
         "Authorization": f"Bearer {run.ensure_token()}"})
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        from orchestrator.cli.liveness import api_ssl_context
+
+        context = api_ssl_context(run) if url.startswith("https") else None
+        with urllib.request.urlopen(req, timeout=5, context=context) as resp:
             data = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -164,7 +169,8 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     table.add_row("state", status["state"])
     total = status["total_steps"]
     pct = f" ({status['last_step'] / total:.0%})" if total else ""
-    table.add_row("step", f"{status['last_step']} / {total}{pct}")
+    table.add_row("step", f"{status['last_step']} / {total}{pct}" if total
+                  else f"{status['last_step']} (optimizer steps)")
     table.add_row("loss", "-" if status["loss"] is None else f"{status['loss']:.4f}")
     table.add_row("generation", str(status["generation"]))
     table.add_row("goodput", f"{status['books']['goodput']:.1%}")

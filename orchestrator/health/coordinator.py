@@ -64,11 +64,16 @@ class HealthCoordinator:
         self.cfg = ctx.cfg.health
         self._reports: dict[tuple[str, str], dict[str, tuple[HealthReport, float]]] = {}
         self._arrived = asyncio.Event()
+        self._open: set[str] = set()  # nonces of the rounds in progress
         self.excluded: dict[str, str] = {}  # node -> why, for nodes this module took out
         self._retry_at: float | None = None
 
     # -- from the API (agents' events) -------------------------------------------------------
     def on_report(self, node_id: str, report: HealthReport, received_ts: float) -> None:
+        # Only reports of a round in progress are kept: a late one, or one a node made up,
+        # would otherwise hold memory for good (one report per invented nonce).
+        if report.nonce not in self._open:
+            return
         self._reports.setdefault((report.nonce, report.stage), {})[node_id] = (report,
                                                                              received_ts)
         self._arrived.set()
@@ -150,6 +155,7 @@ class HealthCoordinator:
         """Both stages over ``nodes`` (``peers``, checked before, join the network stage);
         every result journaled; results by node."""
         nonce = secrets.token_hex(6)
+        self._open.add(nonce)
         start = self.ctx.clock.monotonic()
         ids = [n.node_id for n in nodes]
         self.ctx.log.info("health round", level=level.value, nodes=ids, round=nonce)
@@ -164,6 +170,7 @@ class HealthCoordinator:
                 self._journal(nonce, extra)
         for stage in ("node", "network"):  # late reports of this round are not waited for
             self._reports.pop((nonce, stage), None)
+        self._open.discard(nonce)
         failed_checks = {n: [r.check for r in rs if not r.ok] for n, rs in results.items()}
         self.ctx.record(ev.HealthRound(round=nonce, level=level.value, nodes=ids,
                                        failed={n: c for n, c in failed_checks.items() if c},

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator import events as ev
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
+from orchestrator.envcontract import read_token
 from orchestrator.events import Envelope, Event
 from orchestrator.health.base import Level
 from orchestrator.health.coordinator import HealthCoordinator
@@ -82,7 +83,7 @@ class Supervisor:
         self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
         self.ctx = JobContext(cfg, run, clock, self.recorder, self.log, self.checkpoint_root)
         self.policy = RestartPolicy(cfg.restart)
-        self.token = run.ensure_token(os.environ.get("ORCH_TOKEN") or None)
+        self.token = run.ensure_token(read_token(os.environ) or None)
         self.launcher = launcher or build_launcher(cfg, self.record)
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
@@ -188,8 +189,11 @@ class Supervisor:
             job=self.cfg.job.name, run_dir=str(self.rundir.root),
             config_hash=config_hash(self.cfg), world_size=self.cfg.cluster.world_size,
             nodes=self.cfg.cluster.nodes, spares=self.cfg.cluster.spares,
-            steps=self.cfg.trainer.steps, checkpoint_root=self.checkpoint_root,
-            launcher=self.cfg.launcher.kind), durable=True)
+            # A script of the user's own: the trainer's step total is not its total.
+            steps=0 if self.cfg.job.entrypoint else self.cfg.trainer.steps,
+            checkpoint_root=self.checkpoint_root,
+            launcher=self.cfg.launcher.kind, own_script=bool(self.cfg.job.entrypoint)),
+            durable=True)
 
     def agent_spec(self) -> AgentSpec:
         from orchestrator.launchers.base import default_python
@@ -277,6 +281,10 @@ class Supervisor:
         outcome = await self.parts.adopt(generation) if adopting else None
         if outcome is None:
             outcome = await self.parts.observe(generation, adopting=adopting)
+        if outcome is not None and outcome.cause is Cause.OPERATOR:
+            stop = self._operator_stop(self.view.state, always=True)
+            assert stop is not None  # LAUNCHING or RUNNING: a stop goes through STOPPING
+            return stop
         if outcome is not None:
             return Next(JobState.STOPPING, cause=outcome.cause, carry=outcome)
         self.intake.progress.journal_progress()

@@ -100,7 +100,8 @@ class GenerationParts:
             return list(self.cfg.job.entrypoint)
         from orchestrator.launchers.base import default_python
 
-        return [default_python(self.cfg), "-m", "trainer"]
+        # -P: the rank's working directory (a user's `trainer.py`, say) cannot shadow ours.
+        return [default_python(self.cfg), "-P", "-m", "trainer"]
 
     def generation_env(self, generation: int) -> dict[str, str]:
         """What a generation's ranks need beyond torch.distributed's variables."""

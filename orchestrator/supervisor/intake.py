@@ -431,6 +431,7 @@ def _describe_exit(e: dict[str, Any]) -> str:
     if not e:
         return "unknown failure"
     where = f"rank {e.get('rank')} on node {e.get('node_id')}"
+    error = f": {e['error']}" if e.get("error") else ""  # its error file, a spawn's OS error
     if e.get("signal"):
-        return f"{where} was killed by {e['signal']}"
-    return f"{where} exited with code {e.get('exit_code')}"
+        return f"{where} was killed by {e['signal']}{error}"
+    return f"{where} exited with code {e.get('exit_code')}{error}"

@@ -156,6 +156,8 @@ class StabilityHook:
         a second spike of generation 1 at step 32, seven steps past the onset)."""
         fired: list[dict[str, Any]] = []
         for raw in records:
+            if "loss" not in raw:  # the preload hook's {step, ts}: a step, no figures to judge
+                continue
             try:
                 events = self.lineage.feed(raw, generation)
             except ValueError as exc:

@@ -34,6 +34,9 @@ _INTERVAL_WINDOW = 50
 # Records buffered while the agent is unreachable; the oldest are dropped past this.
 _MAX_RECORDS = 20_000
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+# The supervisor's request for a checkpoint at the next step boundary (an operator's stop):
+# the handler only sets a flag; the training loop reads ``checkpoint_requested``.
+CHECKPOINT_REQUEST_SIGNAL = signal.SIGUSR2
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Worker:
         # Who reports this rank's steps: "sdk" (the script calls step_done) or "hook" (the
         # preload hook counts optimizer steps; the script has not called the SDK).
         self.progress = "sdk"
+        self.checkpoint_requested = False  # set by CHECKPOINT_REQUEST_SIGNAL
         self._kills = [k for k in self.ctx.chaos.get("kills", []) if k.get("rank") ==
                        self.ctx.rank]
 
@@ -108,6 +112,7 @@ class Worker:
     def start(self) -> Worker:
         if self.ctx.managed and self._thread is None:
             self._install_stack_dump()
+            self._install_checkpoint_request()
             self._thread = threading.Thread(target=self._beat_loop, name="orch-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -140,6 +145,18 @@ class Worker:
         self._stack_file = open(path, "a")  # noqa: SIM115 - must outlive this call
         faulthandler.register(STACK_DUMP_SIGNAL, file=self._stack_file, all_threads=True,
                               chain=False)
+
+    def _install_checkpoint_request(self) -> None:
+        # Python takes signal handlers on the main thread only; a script with a SIGUSR2
+        # handler of its own keeps it (the supervisor asks only the built-in trainer).
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(CHECKPOINT_REQUEST_SIGNAL) is not signal.SIG_DFL:
+            return
+
+        def asked(signum: int, frame: Any) -> None:
+            self.checkpoint_requested = True
+
+        signal.signal(CHECKPOINT_REQUEST_SIGNAL, asked)
 
     # -- the training thread's calls --------------------------------------------------------
     def step_done(self, step: int, **metrics: Any) -> None:

@@ -132,3 +132,22 @@ def test_view_folds_checkpoints_pruning_and_state() -> None:
     assert [c["step"] for c in view.committed_checkpoints] == [20]
     assert view.newest_checkpoint_step == 20
     assert view.restarts == [{"generation": 2, "ts": 7.0, "cause": "hang", "resume_step": 20}]
+
+
+def test_a_script_of_its_own_makes_progress_by_optimizer_steps() -> None:
+    # Four kills, each after the script advanced (its own snapshots, which we do not see):
+    # no run of restarts without progress. The same failures of our trainer, with no new
+    # checkpoint between them, are four in a row.
+    def events(own: bool) -> list[dict]:
+        out: list[dict] = [{"kind": "job_created", "job": "j", "own_script": own}]
+        for gen in range(1, 5):
+            out.append({"kind": "first_step", "generation": gen, "step": 1})
+            out.append({**_fail(gen, None), "last_step": 40})
+        return out
+
+    assert JobView.from_events(events(own=True)).restarts_without_progress() == 0
+    assert JobView.from_events(events(own=False)).restarts_without_progress() == 4
+    stalled = JobView.from_events([*events(own=True),
+                                   {"kind": "first_step", "generation": 5, "step": 1},
+                                   {**_fail(5, None), "last_step": None}])
+    assert stalled.restarts_without_progress() == 1  # a generation that never stepped
