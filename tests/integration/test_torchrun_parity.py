@@ -228,3 +228,48 @@ def test_a_mistyped_entrypoint_is_reported_as_the_rank_exit(
     human = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(run_dir)],
                            capture_output=True, text=True, env=env(), timeout=60).stdout
     assert "job.entrypoint 'pyhton' not found" in human
+
+
+def _snapshot_step(path: Path) -> int:
+    try:
+        return int(json.loads(path.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def test_four_kills_after_progress_do_not_exhaust_the_no_progress_budget(
+        tmp_path: Path, dataset_dir: Path) -> None:
+    # The script keeps its own snapshot (every 5 steps), which the orchestrator never sees:
+    # each generation's optimizer steps (the preload hook's count) are its progress. With at
+    # most 2 restarts in a row "without progress", four kills, each after the snapshot
+    # advanced, still end COMPLETED.
+    snapshot = tmp_path / "snapshot.json"
+    cfg = _config(tmp_path, dataset_dir, {"STEPS": "80", "STEP_S": "0.1",
+                                          "SNAPSHOT": str(snapshot)},
+                  restart={"max_restarts": 10, "max_restarts_without_progress": 2})
+    run_dir = tmp_path / "run"
+    proc = _start(cfg, run_dir)
+    try:
+        seen = 0
+        for kill in range(4):
+            wait_for(lambda: proc.poll() is not None or (
+                _snapshot_step(snapshot) > seen and _pid(run_dir, 1) > 0),
+                timeout=180, what=f"snapshot progress before kill {kill + 1}")
+            if proc.poll() is not None:  # the job ended early (FAILED): the asserts say why
+                break
+            seen = _snapshot_step(snapshot)
+            launches = len([e for e in journal(run_dir) if e["kind"] == "generation_launched"])
+            pid = [r["pid"] for e in journal(run_dir) if e["kind"] == "ranks_started"
+                   for r in e["ranks"] if r["rank"] == 1][-1]
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: len([e for e in journal(run_dir)
+                                  if e["kind"] == "generation_launched"]) > launches
+                     or proc.poll() is not None, timeout=180, what="the relaunch")
+    except BaseException:
+        kill_run(run_dir, proc)
+        raise
+    result = _finish(proc, run_dir)
+    st = status(run_dir)
+    assert st["state"] == "COMPLETED", result[-4000:]
+    assert [f["cause"] for f in st["failures"]] == ["worker_exit"] * 4
+    assert _snapshot_step(snapshot) == 80
