@@ -102,8 +102,11 @@ class ApiServer:
                                      shutdown_timeout=_SHUTDOWN_GRACE_S,
                                      keepalive_timeout=self.api.header_timeout_s)
         await self._runner.setup()
+        # A listen backlog for thousands of agents connecting at once (the default, 128,
+        # refused connections at 256-2,048 simulated nodes).
         site = web.TCPSite(self._runner, host or bind_host(self.sup.cfg), port,
-                           reuse_address=True, ssl_context=server_ssl_context(self.sup.cfg))
+                           reuse_address=True, ssl_context=server_ssl_context(self.sup.cfg),
+                           backlog=4096)
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         return sockets[0].getsockname()[1] if sockets else port
