@@ -114,6 +114,7 @@ class Startup(EventData):
     __pydantic_extra__: dict[str, Annotated[float, Field(ge=0, le=1.7e10,  # type: ignore
                                                          allow_inf_nan=False)] | None]
     first_step_done: Annotated[float, Field(ge=0, le=1.7e10, allow_inf_nan=False)]
+    warm: bool = False  # started in a pre-imported spare interpreter
 
 
 class ParamsDigest(EventData):

@@ -71,6 +71,7 @@ class Agent:
         self._last_contact = time.monotonic()
         self.node_config = NodeConfig.unknown()
         self._free_port = self.node_config.free_port()
+        self._port_announced = False  # registered again with the job's own port choice
         self.health = HealthWork(node_id, run_dir, self._rank_env, self._queue, self._renew_port)
 
     # -- main --------------------------------------------------------------------------------
@@ -140,6 +141,11 @@ class Agent:
             self.config_path.write_text(json.dumps(resp.config))
             if self.ranks is None or not self.ranks.alive:
                 self._free_port = self.node_config.free_port()
+                if self._free_port != req.free_port and not self._port_announced:
+                    # The job's config (job.master_port[_range]) came with this answer: say
+                    # the port it chose at once, before the supervisor places rank 0 here.
+                    self._port_announced = True
+                    continue
             self._contact()
             self._registered.set()
             self.log.info("registered", head=self.client.head_url)
@@ -333,7 +339,11 @@ class Agent:
             ev = WorkerEvent(generation=msg.get("generation") or gen or 0, rank=msg["rank"],
                              name=str(msg.get("name", "")), data=msg.get("data") or {},
                              ts=float(msg.get("ts") or time.time()))
-        except (KeyError, ValueError, TypeError):
+        except (KeyError, ValueError, TypeError) as exc:
+            # Not sendable as it is: said once here, with the reason, never silently lost.
+            self.log.warning("worker event dropped: not valid for the protocol",
+                             name=str(msg.get("name", ""))[:64], rank=msg.get("rank"),
+                             error=str(exc)[:500])
             return
         self._queue(ev)
 

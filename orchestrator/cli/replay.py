@@ -71,6 +71,9 @@ def replay_lines(lines: Iterable[str], config: StabilityConfig,
     without one are one generation. Raises ValueError naming the 1-based line of a bad record.
     """
     monitor = lineage or LineageMonitor(config, checkpoint_every=checkpoint_every)
+    # As the live supervisor does: once a rollback is decided in a generation, what that
+    # generation's later records fire is the abandoned lineage's, never journaled.
+    decided: set[int] = set()
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -80,12 +83,19 @@ def replay_lines(lines: Iterable[str], config: StabilityConfig,
             raise ValueError(f"line {lineno}: invalid JSON: {exc.msg}") from None
         if not isinstance(record, dict):
             raise ValueError(f"line {lineno}: a step record must be a JSON object")
+        if "loss" not in record:  # the preload hook's {step, ts}: nothing to judge
+            continue
+        generation = int(record.get("generation") or 0)
         try:
-            events = monitor.feed(record, int(record.get("generation") or 0))
+            events = monitor.feed(record, generation)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"line {lineno}: {exc}") from None
+        if generation in decided:
+            continue
         for event in events:
             yield {_SHORT_NAMES.get(k, k): v for k, v in event.to_dict().items()}
+        if any(event.action in ("rollback", "lower_lr") for event in events):
+            decided.add(generation)
 
 
 def _default_config(records: Path) -> Path | None:

@@ -111,14 +111,20 @@ class GenerationParts:
         endpoint = self.cfg.checkpoint.endpoint_url
         resume_max = self.stability.resume_max_step
         # The job's checkpoint signing key (a path, never the key itself: the assignment is
-        # journaled); generated once into the run directory at 0600 when none is given.
+        # journaled); generated once at 0600 when none is given, beside a local checkpoint
+        # root (the run directory by default), so every run that shares those checkpoints
+        # (a requeued Slurm job's next attempt, say) shares the key; else in the run dir.
         from orchestrator.envcontract import GenerationEnv
         from trainer.checkpoint import signing
+
+        root = self.ctx.checkpoint_root
+        key_home = signing.default_key_path(root).parent if root and (
+            "://" not in root or root.startswith("file://")) else self.ctx.rundir.root
 
         return {
             **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
             **self.cfg.job.env,
-            **signing.generation_env(self.ctx.rundir.root, self.cfg.job.env),
+            **signing.generation_env(key_home, self.cfg.job.env),
             **GenerationEnv(
                 job=self.cfg.job.name, generation=generation,
                 checkpoint_root=self.ctx.checkpoint_root,

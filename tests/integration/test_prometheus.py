@@ -223,9 +223,15 @@ def test_reported_goodput_agrees_with_the_workers_ground_truth(prometheus: Prome
     # The crash cost redone steps: at least those since the checkpoint before it.
     redone = KILL_AT - (KILL_AT // CKPT_EVERY) * CKPT_EVERY
     assert chaos_run.status["books"]["seconds"]["wasted_progress"] > 0
-    steps = [json.loads(line)["step"] for line in
-             (chaos_run.run_dir / "steps.jsonl").read_text().splitlines()]
-    assert len(steps) - len(set(steps)) >= redone
+    records = [json.loads(line) for line in
+               (chaos_run.run_dir / "steps.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert len(steps) - len(set(steps)) > 0
+    # The second generation went back to the checkpoint before the kill, so it redid the
+    # `redone` steps since (rank 0's own last records before a SIGKILL of it can be lost
+    # with it: up to a heartbeat's worth, so the count of duplicates is not the measure).
+    second = [r["step"] for r in records if r.get("generation") == 2]
+    assert second and second[0] == KILL_AT - redone + 1
 
 
 def test_a_free_port_is_logged_and_written_to_the_run_dir(prometheus: Prometheus,
