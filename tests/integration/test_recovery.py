@@ -78,7 +78,9 @@ def test_two_random_kills_resume_bit_exactly(tmp_path: Path, dataset_dir: Path,
 
 def test_one_crash_journal_state_sequence(tmp_path: Path, dataset_dir: Path) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir,
-                       trainer={"steps": 25}, chaos={"kill": [{"step": 12, "rank": 1}]})
+                       # Step 16: six steps after the save at 10, time enough for its
+                       # commit (digests + signature, ~0.1-0.3 s here) before the kill.
+                       trainer={"steps": 25}, chaos={"kill": [{"step": 16, "rank": 1}]})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
     assert states(tmp_path / "run") == [
