@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import events as ev
-from orchestrator.events import Envelope, parse_event
+from orchestrator.events import Envelope, as_envelope
 
 BADPUT_CATEGORIES = (
     "provisioning", "health_check", "startup", "checkpoint_save", "checkpoint_restore",
@@ -182,11 +182,10 @@ class Books:
     def apply(self, env: Envelope | dict[str, Any]) -> None:
         """Fold one event (a raw dict, a test's or a tool's, is parsed first; one that does
         not parse is skipped as the journal reader would)."""
-        if isinstance(env, dict):
-            parsed, _ = parse_event(env)
-            if parsed is None:
-                return
-            env = parsed
+        parsed = as_envelope(env)
+        if parsed is None:
+            return
+        env = parsed
         e, ts = env.event, env.ts
         if isinstance(e, ev.JobCreated):
             self.created_ts = ts

@@ -451,6 +451,14 @@ def parse_event(raw: Any) -> tuple[Envelope | None, str | None]:
     return Envelope(seq=seq, ts=float(ts), event=event), None
 
 
+def as_envelope(event: Envelope | dict[str, Any]) -> Envelope | None:
+    """A fold's input as a typed event: an Envelope as it is, a raw dict (a test's, a
+    tool's) parsed, None for one that does not parse (skipped, as the reader would)."""
+    if isinstance(event, dict):
+        return parse_event(event)[0]
+    return event
+
+
 def _first_problem(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors(include_url=False)[0]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import events as ev
-from orchestrator.events import Envelope, parse_event
+from orchestrator.events import Envelope, as_envelope
 from orchestrator.state import JobState
 
 
@@ -81,11 +81,10 @@ class JobView:
     def apply(self, env: Envelope | dict[str, Any]) -> None:
         """Fold one event. A raw dict (a test's, a tool's) is parsed first; one that does
         not parse is ignored, as the journal reader would skip its line."""
-        if isinstance(env, dict):
-            parsed, _ = parse_event(env)
-            if parsed is None:
-                return
-            env = parsed
+        parsed = as_envelope(env)
+        if parsed is None:
+            return
+        env = parsed
         self.last_ts = env.ts
         handler = getattr(self, f"_on_{env.event.kind}", None)
         if handler is not None:

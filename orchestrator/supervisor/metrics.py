@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from orchestrator import __version__
 from orchestrator import events as ev
 from orchestrator.books import BADPUT_CATEGORIES
-from orchestrator.events import Envelope, parse_event
+from orchestrator.events import Envelope, as_envelope
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import Cause, JobState, NodeState
 
@@ -156,11 +156,10 @@ class SupervisorMetrics:
 
     def on_event(self, env: Envelope | dict[str, Any]) -> None:
         """Fold a journal event into the metrics it moves (a raw dict is parsed first)."""
-        if isinstance(env, dict):
-            parsed, _ = parse_event(env)
-            if parsed is None:
-                return
-            env = parsed
+        parsed = as_envelope(env)
+        if parsed is None:
+            return
+        env = parsed
         e, job = env.event, self.job
         if isinstance(e, ev.JobCreated):
             self.created_ts.labels(job).set(env.ts)
