@@ -83,8 +83,8 @@ def replay_lines(lines: Iterable[str], config: StabilityConfig,
             raise ValueError(f"line {lineno}: invalid JSON: {exc.msg}") from None
         if not isinstance(record, dict):
             raise ValueError(f"line {lineno}: a step record must be a JSON object")
-        if "loss" not in record:  # the preload hook's {step, ts}: nothing to judge
-            continue
+        if "ts" in record and set(record) <= {"step", "ts", "generation"}:
+            continue  # the preload hook's {step, ts}: a step, nothing to judge
         generation = int(record.get("generation") or 0)
         try:
             events = monitor.feed(record, generation)
