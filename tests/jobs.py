@@ -65,6 +65,13 @@ def up(config: Path, run_dir: Path, *args: str, timeout: float = 300) -> subproc
            *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env(), start_new_session=True)
+    out = finish(proc, run_dir, timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
+    """Wait for a started `orchestrator up` and return its output; on timeout, kill it and
+    everything it started, and fail with the output's tail. Strays are killed either way."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -73,7 +80,7 @@ def up(config: Path, run_dir: Path, *args: str, timeout: float = 300) -> subproc
         raise AssertionError(f"orchestrator up timed out after {timeout} s:\n{out[-5000:]}")
     finally:
         kill_strays(run_dir)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return out
 
 
 def kill_run(run_dir: Path, proc: subprocess.Popen | None = None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import env, journal, kill_run, kill_strays, status, wait_for, write_config
+from jobs import env, finish, journal, kill_run, status, wait_for, write_config
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_ddp.py"
 pytestmark = pytest.mark.slow
@@ -42,15 +42,7 @@ def _start(cfg: Path, run_dir: Path, cwd: Path | None = None) -> subprocess.Pope
 
 
 def _finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_run(run_dir, proc)
-        out, _ = proc.communicate()
-        raise AssertionError(f"orchestrator up timed out after {timeout} s:\n{out[-5000:]}")
-    finally:
-        kill_strays(run_dir)
-    return out
+    return finish(proc, run_dir, timeout)
 
 
 def _pid(run_dir: Path, rank: int) -> int:
