@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-import aiohttp
 import loadgen_wire as wire
+from loadgen_http import Conn
 
 # A rank starts in ``init`` and reaches ``training`` this long after its start (imports,
 # rendezvous); its steps then advance every ``step_s``.
@@ -51,30 +51,32 @@ class Stats:
 
 
 class Net:
-    """The shared HTTP session, the supervisor's URL and the job's token."""
+    """The supervisor's URL and the job's token; hands each simulated agent its own
+    keep-alive connections (``loadgen_http.Conn``) and keeps one for the operator."""
 
     def __init__(self, url: str, token: str, stats: Stats) -> None:
         self.url, self.token, self.stats = url.rstrip("/"), token, stats
-        self.session: aiohttp.ClientSession | None = None
+        self._operator: Conn | None = None
 
     async def __aenter__(self) -> Self:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self._operator is not None:
+            self._operator.close()
+
+    def conn(self, node_id: str) -> Conn:
+        """A connection speaking as ``node_id`` (its own credential; "" is the operator)."""
+        return Conn(self.url, wire.bearer(self.token, node_id))
 
     async def call(self, node_id: str, method: str, path: str, timeout: float,
                    **kwargs: Any) -> tuple[int, Any]:
-        assert self.session is not None
-        async with self.session.request(
-                method, self.url + path, headers=wire.auth_headers(self.token, node_id),
-                timeout=aiohttp.ClientTimeout(total=timeout), **kwargs) as resp:
-            if resp.status >= 400:
-                return resp.status, await resp.text()
-            return resp.status, await resp.json()
+        """An operator's request (``node_id`` must be "")."""
+        assert not node_id, "agents use their own connections"
+        if self._operator is None:
+            self._operator = self.conn("")
+        return await self._operator.request(method, path, timeout,
+                                            json_body=kwargs.get("json"))
 
 
 class SimNode:
@@ -99,6 +101,8 @@ class SimNode:
         self._events_ready = asyncio.Event()
         self._done_signals: set[int] = set()
         self.stopped = asyncio.Event()
+        self._conns = {kind: net.conn(self.node_id)
+                       for kind in ("register", "beat", "poll", "events")}
 
     # -- faults (called by the scenario) ------------------------------------------------------
     def hang(self, rank: int) -> None:
@@ -130,6 +134,8 @@ class SimNode:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for conn in self._conns.values():
+                conn.close()
 
     async def _quiet(self) -> None:
         while self.silent:
@@ -145,9 +151,9 @@ class SimNode:
                                  self.generation if self.alive else None, self.version,
                                  self._infos(time.time()) if self.alive else [])
             try:
-                status, data = await self.net.call(self.node_id, "POST", "/v1/register", 30.0,
-                                                   json=body)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                status, data = await self._conns["register"].request(
+                    "POST", "/v1/register", 30.0, json_body=body)
+            except (OSError, TimeoutError) as exc:
                 self.stats.register_retries += 1
                 self.stats.error(f"register {self.node_id}: {type(exc).__name__}")
                 await asyncio.sleep(0.5)
@@ -217,9 +223,9 @@ class SimNode:
                                   self._records(now))
             t0 = time.monotonic()
             try:
-                status, data = await self.net.call(self.node_id, "POST", "/v1/heartbeat",
-                                                   _BEAT_TIMEOUT_S, json=body)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                status, data = await self._conns["beat"].request("POST", "/v1/heartbeat",
+                                                            _BEAT_TIMEOUT_S, json_body=body)
+            except (OSError, TimeoutError) as exc:
                 self.stats.beats_failed += 1
                 self.stats.error(f"heartbeat {self.node_id}: {type(exc).__name__} {exc}")
                 continue
@@ -236,11 +242,11 @@ class SimNode:
             await self.registered.wait()
             await self._quiet()
             try:
-                status, data = await self.net.call(
-                    self.node_id, "GET", "/v1/assignment", _POLL_S + 10.0,
+                status, data = await self._conns["poll"].request(
+                    "GET", "/v1/assignment", _POLL_S + 10.0,
                     params={"node_id": self.node_id, "after": self.version,
                             "timeout": _POLL_S})
-            except (aiohttp.ClientError, TimeoutError):
+            except (OSError, TimeoutError):
                 await asyncio.sleep(0.5)
                 continue
             if self.silent:
@@ -258,16 +264,18 @@ class SimNode:
 
     def _reconcile(self, a: Any) -> None:
         self.version = a.version
+        dumps: dict[Path, str] = {}
         for order in a.signals:
             if order.id in self._done_signals:
                 continue
             self._done_signals.add(order.id)
             if order.signal == "SIGUSR1" and self.alive and self.generation is not None:
                 path = self.stacks / f"gen{self.generation:04d}-rank{order.rank:05d}.txt"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f"Thread 0x0 (most recent call first):\n  simulated rank "
-                                f"{order.rank} of {self.node_id}\n")
-                self.stats.stack_files += 1
+                dumps[path] = (f"Thread 0x0 (most recent call first):\n  simulated rank "
+                               f"{order.rank} of {self.node_id}\n")
+        if dumps:  # in a thread: 16k files written on the loop would delay every beat
+            self.stats.stack_files += len(dumps)
+            asyncio.get_running_loop().run_in_executor(None, _write_stacks, dumps)
         if a.action == "run" and (a.generation != self.generation or not self.alive):
             self._stop(report=False)
             self._start(a)
@@ -317,9 +325,9 @@ class SimNode:
             self._events_ready.clear()
             return True
         try:
-            status, data = await self.net.call(self.node_id, "POST", "/v1/events", 10.0,
-                                               json=wire.events(self.node_id, batch))
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, data = await self._conns["events"].request(
+                "POST", "/v1/events", 10.0, json_body=wire.events(self.node_id, batch))
+        except (OSError, TimeoutError) as exc:
             self.stats.events_failed += 1
             self.stats.error(f"events {self.node_id}: {type(exc).__name__} {exc}")
             return False
@@ -342,3 +350,9 @@ class SimNode:
         while self._events and time.monotonic() < deadline and not self.silent:
             if not await self._send_events():
                 await asyncio.sleep(0.2)
+
+
+def _write_stacks(files: dict[Path, str]) -> None:
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)

@@ -23,12 +23,11 @@ from orchestrator.protocol import (
 )
 
 
-def auth_headers(secret: str, node_id: str) -> dict[str, str]:
-    """The header an agent of ``node_id`` sends: its own credential, derived from the job
+def bearer(secret: str, node_id: str) -> str:
+    """The token an agent of ``node_id`` sends: its own credential, derived from the job
     secret (``orchestrator.auth``); with no node id, the operator's (the secret itself).
     Ranks are simulated: their pids are None, so no tool ever signals a made-up pid."""
-    token = node_credential(secret, node_id) if node_id else secret
-    return {"Authorization": f"Bearer {token}"}
+    return node_credential(secret, node_id) if node_id else secret
 
 
 def rank_info(rank: int, local_rank: int, pid: int | None, *, alive: bool = True,
