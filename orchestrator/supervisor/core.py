@@ -31,6 +31,7 @@ from orchestrator.rundir import RunDir
 from orchestrator.state import Cause, JobState, NodeState, check_transition
 from orchestrator.supervisor.bookkeeper import BookKeeper
 from orchestrator.supervisor.context import JobContext
+from orchestrator.supervisor.deadlines import LoopLag
 from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.generation import GenerationParts
 from orchestrator.supervisor.intake import Intake
@@ -41,7 +42,6 @@ from orchestrator.supervisor.policy import OperatorStop, RestartPolicy
 from orchestrator.supervisor.recorder import Recorder
 from orchestrator.supervisor.selection import NodeSelection
 from orchestrator.supervisor.stability import StabilityHook
-
 
 
 class _Adopt:
@@ -88,7 +88,9 @@ class Supervisor:
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
         self.stop_checkpoint = True
-        self.nodes = NodeRegistry(clock, self.record, self.metrics.set_nodes)
+        # How late our own loop is: silences are judged without that time (deadlines).
+        self.lag = LoopLag(clock, on_late=self._late)
+        self.nodes = NodeRegistry(clock, self.record, self.metrics.set_nodes, lag=self.lag)
         self.stability = StabilityHook(self.ctx)
         self.health = HealthCoordinator(self.ctx, self.nodes, self.stop_requested)
         self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report)
@@ -122,6 +124,12 @@ class Supervisor:
                       cause=cause.value if cause else None, reason=reason,
                       generation=self.view.generation)
 
+    def _late(self, seconds: float) -> None:
+        self.metrics.late.labels(self.cfg.job.name).inc(seconds)
+        if seconds >= 1.0:
+            self.log.warning("supervisor loop late: node-loss deadlines extended by as much",
+                             late_s=round(seconds, 2), late_total_s=round(self.lag.late_s, 2))
+
     def request_stop(self, reason: str = "operator", checkpoint: bool = True) -> None:
         """Stop the job (the API's /v1/stop, SIGTERM, Ctrl-C). With ``checkpoint``, ranks
         of the built-in trainer first save at their next step boundary (bounded by
@@ -147,6 +155,7 @@ class Supervisor:
         target = ScrapeTarget(self.cfg.metrics.targets_file, self.cfg.metrics.linger_s,
                               self.advertise_host, port)
         books = asyncio.create_task(self.books.run(), name="books")
+        lag = asyncio.create_task(self.lag.run(), name="loop-lag")
         try:
             if not self.view.job:
                 self._record_created()
@@ -168,6 +177,7 @@ class Supervisor:
                 await self._drive()
         finally:
             books.cancel()
+            lag.cancel()
             self.books.refresh()
             await self._shutdown()
             await target.retire(self.view.state.terminal)

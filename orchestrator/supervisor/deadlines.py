@@ -6,14 +6,24 @@ every check was ~6 ms, ~13 s of CPU per launch. Here ``set`` pushes the key's ne
 ``oldest`` pops entries that are no longer the key's current time until it finds one that
 is, so a check costs O(log n) amortized. The heap is rebuilt from the live entries when
 stale ones outnumber them, so it stays within a small multiple of the keys it holds.
+
+``LoopLag`` measures how late the supervisor's own loop is, so that a deadline judged on
+what agents said is not missed because the supervisor itself was late to read them.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 K = TypeVar("K", int, str)
+
+
+class _Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
 
 # Rebuild once the heap holds this many times more entries than live keys (plus a floor).
 _SLACK = 3
@@ -61,3 +71,47 @@ class OldestFirst(Generic[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._at
+
+
+class LoopLag:
+    """How late this process's event loop has been, and the clock that leaves it out.
+
+    A task (``run``) asks to wake every ``period_s``; whatever it wakes later than that
+    beyond ``tolerance_s`` is time the supervisor was not reading its sockets (a long
+    handler, a burst of messages, the process starved of CPU). ``late_s`` sums it.
+    ``service_time`` is the monotonic clock minus ``late_s``: it advances only while the
+    supervisor keeps up. Silences are judged on it, so a beat that sat unread in a socket
+    while the supervisor was late does not make its node look silent; the deadline
+    stretches by exactly the lateness, and ``late_between`` says by how much.
+
+    ``on_late(seconds)`` hears of every wake-up that counted (the metrics count it, the
+    supervisor logs the long ones).
+    """
+
+    def __init__(self, clock: _Clock, period_s: float = 0.1, tolerance_s: float = 0.02,
+                 on_late: Callable[[float], None] | None = None) -> None:
+        self._clock = clock
+        self.period_s, self.tolerance_s = period_s, tolerance_s
+        self._on_late = on_late
+        self.late_s = 0.0
+        self.worst_s = 0.0
+        self.wakeups = 0
+
+    def note(self, overshoot_s: float) -> None:
+        """One wake-up ``overshoot_s`` after it was due."""
+        self.wakeups += 1
+        if overshoot_s <= self.tolerance_s:
+            return
+        self.late_s += overshoot_s
+        self.worst_s = max(self.worst_s, overshoot_s)
+        if self._on_late is not None:
+            self._on_late(overshoot_s)
+
+    def service_time(self) -> float:
+        return self._clock.monotonic() - self.late_s
+
+    async def run(self) -> None:
+        while True:
+            due = self._clock.monotonic() + self.period_s
+            await self._clock.sleep(self.period_s)
+            self.note(self._clock.monotonic() - due)

@@ -30,9 +30,9 @@ from orchestrator.supervisor.stability import StabilityHook
 CHECKPOINT_SIGNAL = "SIGUSR2"
 # How often the observe loop wakes without news, to check silences and timeouts.
 TICK_S = 0.2
-# The agents confirm a stop within the ranks' grace; this much more covers the round trips
-# (at least 5 s; 5 ms per node waited on beyond 1,000 nodes: 2,048 confirmations are 2,048
-# requests for the supervisor to take in).
+# The agents confirm a stop within the ranks' grace; this much more covers the round trips:
+# 5 s, plus 5 ms per node waited on (2,048 confirmations are 2,048 requests for the
+# supervisor to take in), on the service clock (time the supervisor was late is added).
 _STOP_CONFIRM_EXTRA_S = 5.0
 _STOP_CONFIRM_PER_NODE_S = 0.005
 # The observe and stop loops take at most this many queued observations per round.
@@ -289,11 +289,11 @@ class GenerationParts:
         waiting = [n for n in nodes.active() if n.state is NodeState.ACTIVE]
         for node in waiting:
             await nodes.assign(node.node_id, action="stop", generation=generation)
-        clock = self.ctx.clock
-        deadline = clock.monotonic() + self.cfg.timeouts.stop_grace_s + max(
-            _STOP_CONFIRM_EXTRA_S, _STOP_CONFIRM_PER_NODE_S * len(waiting))
+        limit = self.cfg.timeouts.stop_grace_s + _STOP_CONFIRM_EXTRA_S + \
+            _STOP_CONFIRM_PER_NODE_S * len(waiting)
+        deadline = nodes.service_time() + limit
         pending = waiting
-        while clock.monotonic() < deadline:
+        while nodes.service_time() < deadline:
             self.intake.mark_silent_nodes_lost()
             # Confirmations mark their node as they arrive (Intake.on_events); the queue is
             # drained here only to journal what the agents said.
@@ -304,7 +304,8 @@ class GenerationParts:
             self.intake.judge_batch(generation, await self._next_batch())
         for node in waiting:
             if node.stopped_generation != generation and node.state is NodeState.ACTIVE:
-                nodes.move(node, NodeState.LOST, reason="did not confirm the stop in time")
+                nodes.move(node, NodeState.LOST, reason="did not confirm the stop in time "
+                           f"({limit:.1f} s for {len(waiting)} nodes)")
 
 
 def _listing(folder: Path) -> set[str]:

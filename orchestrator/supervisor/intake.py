@@ -199,7 +199,8 @@ class Intake:
                                  checks_held_back=self.nodes.held_back)
         for node in lost:
             self.ctx.log.warning("node lost", node=node.node_id,
-                                 silent_s=round(self.nodes.silent_for(node), 1))
+                                 silent_s=round(self.nodes.silent_for(node), 1),
+                                 judged_silent_s=round(self.nodes.judged_silence(node), 1))
         return lost
 
     def judge(self, generation: int, obs: Observation | None) -> Outcome | None:

@@ -112,6 +112,9 @@ class SupervisorMetrics:
         self.health_failures = Counter("orchestrator_health_check_failures_total",
                                        "Failed health checks by check.", ["job", "check"],
                                        registry=r)
+        self.late = Counter("orchestrator_supervisor_late_seconds",
+                            "Time the supervisor's event loop woke late (more than 20 ms) "
+                            "(node-loss deadlines are extended by it).", j, registry=r)
         self._booked: dict[str, float] = {}
         self._last_tokens: tuple[int, float, float] | None = None  # step, tokens, per step
         self._init_series()
@@ -131,7 +134,7 @@ class SupervisorMetrics:
             self.stability_events.labels(job, kind)
         for check in CHECK_NAMES:
             self.health_failures.labels(job, check)
-        for metric in (self.productive, self.spikes, self.rollbacks, self.steps_done,
+        for metric in (self.late, self.productive, self.spikes, self.rollbacks, self.steps_done,
                        self.tokens_done, self.nonfinite):
             metric.labels(job)
         for g in (self.goodput, self.step, self.tokens, self.loss, self.lr, self.grad_norm,

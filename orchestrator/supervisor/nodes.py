@@ -30,7 +30,7 @@ from orchestrator.clock import Clock
 from orchestrator.events import Envelope, Event, NodeStateChanged
 from orchestrator.protocol import Assignment, RankInfo, RegisterRequest, SignalOrder
 from orchestrator.state import NodeState
-from orchestrator.supervisor.deadlines import OldestFirst
+from orchestrator.supervisor.deadlines import LoopLag, OldestFirst
 
 _R, _A, _S, _L, _X, _E = (NodeState.REGISTERED, NodeState.ACTIVE, NodeState.SPARE,
                           NodeState.LOST, NodeState.EXCLUDED, NodeState.EXITED)
@@ -46,6 +46,8 @@ _LIVE = frozenset({_R, _A, _S})  # states whose silence is watched
 # Silences this widespread are suspected to be ours (see ``mark_silent_lost``).
 MASS_SILENCE_MIN = 16
 MASS_SILENCE_GRACE = 3.0
+# Assignment changes made in one go before other work on the loop gets a turn.
+_ASSIGN_BURST = 64
 
 
 class IllegalNodeMove(RuntimeError):
@@ -61,6 +63,7 @@ class NodeRecord:
     agent_pid: int
     free_port: int | None
     last_seen: float  # monotonic
+    seen_at: float = 0.0  # the same moment on the registry's service clock (LoopLag)
     state: NodeState = NodeState.REGISTERED
     node_rank: int | None = None
     generation: int | None = None  # generation the agent last said it runs
@@ -77,11 +80,15 @@ class NodeRecord:
 class NodeRegistry:
     """Nodes by id, and the owner of every node state change. All methods run on the
     supervisor's event loop. ``record`` journals an event; ``on_counts`` receives the
-    number of nodes per state after every move (the metrics' gauge)."""
+    number of nodes per state after every move (the metrics' gauge). With ``lag``,
+    silences are measured on its service clock: time the supervisor was late to read its
+    sockets does not count against a node."""
 
     def __init__(self, clock: Clock, record: Callable[[Event], Envelope] | None = None,
-                 on_counts: Callable[[dict[str, int]], None] | None = None) -> None:
+                 on_counts: Callable[[dict[str, int]], None] | None = None,
+                 lag: LoopLag | None = None) -> None:
         self._clock = clock
+        self._service = lag.service_time if lag is not None else clock.monotonic
         self._record = record
         self._on_counts = on_counts
         self.nodes: dict[str, NodeRecord] = {}
@@ -89,6 +96,7 @@ class NodeRegistry:
         self._silence: OldestFirst[str] = OldestFirst()  # live nodes by last_seen
         self._counts: Counter[NodeState] = Counter()
         self._signal_ids = 0
+        self._assigned = 0  # assignment changes, to let other work in between (``assign``)
         self.held_back = 0  # silence checks that waited longer because many nodes were silent
 
     # -- the node state machine ------------------------------------------------------------
@@ -119,7 +127,7 @@ class NodeRegistry:
     def _watch(self, node: NodeRecord) -> None:
         """Keep the silence heap in step with the node's state and last beat."""
         if node.state in _LIVE:
-            self._silence.set(node.node_id, node.last_seen)
+            self._silence.set(node.node_id, node.seen_at)
         else:
             self._silence.discard(node.node_id)
 
@@ -132,7 +140,7 @@ class NodeRegistry:
         of messages) or the network, not each node: as Kubernetes' node controller stops
         evicting in a mostly unhealthy zone, they get ``MASS_SILENCE_GRACE`` times the limit
         before they are declared lost, and ``held_back`` counts the checks that waited."""
-        now = self._clock.monotonic()
+        now = self._service()
         oldest = self._silence.oldest()
         if oldest is None or now - oldest[1] <= limit_s:
             return []
@@ -143,9 +151,26 @@ class NodeRegistry:
         lost = []
         while (oldest := self._silence.oldest()) is not None and now - oldest[1] > limit_s:
             node = self.nodes[oldest[0]]
-            self.move(node, _L, reason=f"silent for {self.silent_for(node):.1f} s")
+            self.move(node, _L, reason=self.silence_reason(node))
             lost.append(node)
         return lost
+
+    def service_time(self) -> float:
+        """The clock silences and stop deadlines are judged on (see ``LoopLag``)."""
+        return self._service()
+
+    def judged_silence(self, node: NodeRecord) -> float:
+        """How long the node has been silent while this supervisor kept up."""
+        return self._service() - node.seen_at
+
+    def silence_reason(self, node: NodeRecord) -> str:
+        """A silence in words; says how much longer it was given when we were late."""
+        wall, judged = self.silent_for(node), self.judged_silence(node)
+        text = f"silent for {wall:.1f} s"
+        if wall - judged >= 0.05:
+            text += (f" (deadline extended by {wall - judged:.1f} s: the supervisor was late "
+                     "to read its messages)")
+        return text
 
     # -- agents talking to us --------------------------------------------------------------
     def register(self, req: RegisterRequest) -> tuple[NodeRecord, bool]:
@@ -155,13 +180,13 @@ class NodeRegistry:
         known = node is not None
         if node is None:
             node = NodeRecord(req.node_id, req.host, req.addr, req.procs, req.agent_pid,
-                              req.free_port, now)
+                              req.free_port, now, self._service())
             self.nodes[req.node_id] = node
             self._wake[req.node_id] = asyncio.Event()
             self._counts[node.state] += 1
         else:
             node.host, node.addr, node.procs = req.host, req.addr, req.procs
-            node.agent_pid, node.last_seen = req.agent_pid, now
+            node.agent_pid, node.last_seen, node.seen_at = req.agent_pid, now, self._service()
             if req.free_port:
                 node.free_port = req.free_port
             if node.state in (NodeState.LOST, NodeState.EXITED):
@@ -176,12 +201,12 @@ class NodeRegistry:
         node = self.nodes.get(node_id)
         if node is None:
             return None
-        node.last_seen = self._clock.monotonic()
+        node.last_seen, node.seen_at = self._clock.monotonic(), self._service()
         node.generation = generation
         if node.state is NodeState.LOST:  # it was slow, not dead: usable again
             self.move(node, NodeState.REGISTERED, reason="heartbeat after being lost")
         elif node.state in _LIVE:
-            self._silence.set(node_id, node.last_seen)
+            self._silence.set(node_id, node.seen_at)
         if free_port:
             node.free_port = free_port
         for info in ranks:
@@ -205,6 +230,11 @@ class NodeRegistry:
         if wake is not None:
             wake.set()
             self._wake[node_id] = asyncio.Event()
+        self._assigned += 1
+        if self._assigned % _ASSIGN_BURST == 0:
+            # A launch or a stop assigns to every node in one loop: let the beats that
+            # arrived meanwhile in, so none waits behind all 2,048 assignments.
+            await asyncio.sleep(0)
         return node.assignment
 
     async def send_signal(self, node_id: str, rank: int, signal: str) -> None:

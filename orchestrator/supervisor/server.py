@@ -154,7 +154,7 @@ class ApiServer:
         rec = nodes.nodes.get(node_id)
         if rec is None:
             return None
-        live = rec.state in _LIVE and nodes.silent_for(rec) <= self.sup.cfg.timeouts.node_lost_s
+        live = rec.state in _LIVE and nodes.judged_silence(rec) <= self.sup.cfg.timeouts.node_lost_s
         return admission.KnownNode(rec.host, rec.addr, live)
 
     def _slice(self, node_id: str) -> admission.Slice | None:

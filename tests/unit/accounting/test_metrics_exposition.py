@@ -48,6 +48,7 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_job_created_timestamp_seconds": ("gauge", {}),
     # One series per check of the health-check catalog.
     "orchestrator_health_check_failures": ("counter", {"check": CHECK_NAMES}),
+    "orchestrator_supervisor_late_seconds": ("counter", {}),
 }
 
 

@@ -1,0 +1,128 @@
+"""Node loss judged on the supervisor's service clock (``deadlines.LoopLag``): time the
+supervisor's own loop was late does not count against a node's silence; every other second
+does; a lost node that beats again is taken back. The fuzz test plays random scripts of
+beats, quiet time and supervisor stalls against a plain model of the rule."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fakes import FakeClock
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.clock import SYSTEM_CLOCK
+from orchestrator.events import NodeStateChanged
+from orchestrator.protocol import RegisterRequest
+from orchestrator.state import NodeState
+from orchestrator.supervisor.deadlines import LoopLag
+from orchestrator.supervisor.nodes import NodeRegistry
+
+LIMIT = 10.0
+CASES = {"script": 0}
+
+
+def _register(reg: NodeRegistry, node: str) -> None:
+    reg.register(RegisterRequest(node_id=node, host="h", addr="10.0.0.1", procs=8,
+                                 agent_pid=7, free_port=20000))
+
+
+def test_lateness_beyond_the_tolerance_is_summed_and_left_out_of_service_time() -> None:
+    clock = FakeClock()
+    heard: list[float] = []
+    lag = LoopLag(clock, tolerance_s=0.02, on_late=heard.append)
+    lag.note(0.01)  # within the tolerance: no lateness
+    assert lag.late_s == 0.0 and lag.service_time() == clock.monotonic()
+    clock.advance(3.0)
+    lag.note(3.0)
+    clock.advance(1.0)
+    lag.note(0.5)
+    assert heard == [3.0, 0.5] and lag.late_s == 3.5 and lag.worst_s == 3.0
+    assert lag.service_time() == clock.monotonic() - 3.5
+
+
+def test_a_node_silent_while_the_supervisor_stalled_is_not_lost_and_the_reason_says_so(
+) -> None:
+    clock = FakeClock()
+    lag = LoopLag(clock)
+    events: list[object] = []
+    reg = NodeRegistry(clock, events.append, lag=lag)
+    for n in ("a", "b"):
+        _register(reg, n)
+    clock.advance(6.0)
+    reg.heartbeat("b", None, None, [])
+    clock.advance(6.0)  # the supervisor stalled 6 s: nobody's beat was read
+    lag.note(6.0)
+    assert reg.mark_silent_lost(LIMIT) == []  # a: 12 s silent, 6 of them ours
+    clock.advance(4.5)
+    (lost,) = reg.mark_silent_lost(LIMIT)  # a: 10.5 s of our attention; b: 4.5 s
+    assert lost.node_id == "a" and lost.state is NodeState.LOST
+    moved = [e for e in events if isinstance(e, NodeStateChanged)][-1]
+    assert "silent for 16.5 s" in (moved.reason or "")
+    assert "extended by 6.0 s" in (moved.reason or "")
+    reg.heartbeat("a", None, None, [])  # it was slow, not dead
+    assert reg.nodes["a"].state is NodeState.REGISTERED
+    back = [e for e in events if isinstance(e, NodeStateChanged)][-1]
+    assert back.previous is NodeState.LOST and back.state is NodeState.REGISTERED
+
+
+steps = st.lists(st.tuples(st.sampled_from(["quiet", "stall", "beat", "check"]),
+                           st.integers(0, 5), st.floats(0.05, 6.0)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps)
+def test_loss_follows_the_silence_the_supervisor_attended(
+        script: list[tuple[str, int, float]]) -> None:
+    """A node is lost at a check exactly when, since its last beat, more than ``LIMIT``
+    seconds passed while the supervisor kept up (six nodes: never a mass silence)."""
+    CASES["script"] += 1
+    clock = FakeClock()
+    lag = LoopLag(clock)
+    reg = NodeRegistry(clock, lambda e: None, lag=lag)
+    attended: dict[str, float] = {}
+    for i in range(6):
+        _register(reg, f"n{i}")
+        attended[f"n{i}"] = 0.0
+    for op, who, dt in script:
+        node = f"n{who}"
+        if op == "quiet":
+            clock.advance(dt)
+            for k in attended:
+                attended[k] += dt
+        elif op == "stall":
+            clock.advance(dt)
+            lag.note(dt)  # as the lag task would on waking dt late
+        elif op == "beat":
+            reg.heartbeat(node, None, None, [])
+            attended[node] = 0.0
+            assert reg.nodes[node].state is NodeState.REGISTERED  # back if it was lost
+        else:
+            was_live = {k for k, n in reg.nodes.items() if n.state is NodeState.REGISTERED}
+            lost = {n.node_id for n in reg.mark_silent_lost(LIMIT)}
+            expected = {k for k in was_live if attended[k] > LIMIT + 1e-6}
+            either = {k for k in was_live if abs(attended[k] - LIMIT) <= 1e-6}  # float ties
+            assert expected <= lost <= expected | either, (lost, expected, attended)
+
+
+def test_fuzz_case_count() -> None:
+    assert CASES["script"] >= 100, CASES
+
+
+def test_the_lag_task_measures_a_loop_blocked_by_a_handler() -> None:
+    """On the real clock: a callback that holds the loop makes the task wake late by at
+    least about as long (never less: a slow machine only adds lateness)."""
+
+    async def main() -> LoopLag:
+        lag = LoopLag(SYSTEM_CLOCK, period_s=0.05)
+        task = asyncio.create_task(lag.run())
+        await asyncio.sleep(0.1)
+        time.sleep(0.5)  # noqa: ASYNC251 (a long handler holding the loop, on purpose)
+        await asyncio.sleep(0.2)
+        task.cancel()
+        return lag
+
+    lag = asyncio.run(main())
+    assert lag.late_s >= 0.4 and lag.worst_s >= 0.4 and lag.wakeups >= 2
+
