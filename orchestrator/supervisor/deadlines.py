@@ -14,10 +14,14 @@ what agents said is not missed because the supervisor itself was late to read th
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from orchestrator.clock import Clock
 
 K = TypeVar("K", int, str)
+T = TypeVar("T")
 
 
 class _Clock(Protocol):
@@ -115,3 +119,25 @@ class LoopLag:
             due = self._clock.monotonic() + self.period_s
             await self._clock.sleep(self.period_s)
             self.note(self._clock.monotonic() - due)
+
+
+class ServiceClock:
+    """``clock`` with ``monotonic`` replaced by ``lag``'s service time: what the progress
+    tracker stamps rank beats with and the hang check reads, so a rank is not called hung
+    for the seconds the supervisor was too late to read its beats. Wall time, sleeps and
+    waits are the clock's own."""
+
+    def __init__(self, clock: Clock, lag: LoopLag) -> None:
+        self._clock, self._lag = clock, lag
+
+    def time(self) -> float:
+        return self._clock.time()
+
+    def monotonic(self) -> float:
+        return self._lag.service_time()
+
+    async def sleep(self, seconds: float) -> None:
+        await self._clock.sleep(seconds)
+
+    async def wait_for(self, aw: Awaitable[T], timeout: float) -> T:
+        return await self._clock.wait_for(aw, timeout)

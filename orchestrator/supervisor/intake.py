@@ -70,7 +70,8 @@ class Intake:
         self.stability = stability
         self._health_report = health_report
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
-        self.progress = ProgressTracker(ctx.rundir.steps, ctx.clock, ctx.record)
+        # Beats stamped and hangs judged on the service clock (``deadlines.LoopLag``).
+        self.progress = ProgressTracker(ctx.rundir.steps, nodes.judge_clock, ctx.record)
         self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
                                  ctx.view.chaos_fired)
         self.generation: int | None = None
@@ -234,11 +235,10 @@ class Intake:
         if gen is None or gen.generation != generation or \
                 self.ctx.view.state not in (JobState.LAUNCHING, JobState.RUNNING):
             return None
-        now = self.ctx.clock.monotonic()
+        now = self.nodes.service_time()
         if not any_overdue(gen, self.cfg.timeouts, self.training_timeout, now):
             return None
-        suspects = find_hangs(gen, self.cfg.timeouts, self.training_timeout,
-                              self.ctx.clock.monotonic())
+        suspects = find_hangs(gen, self.cfg.timeouts, self.training_timeout, now)
         if not suspects:
             return None
         first = suspects[0]

@@ -30,7 +30,7 @@ from orchestrator.clock import Clock
 from orchestrator.events import Envelope, Event, NodeStateChanged
 from orchestrator.protocol import Assignment, RankInfo, RegisterRequest, SignalOrder
 from orchestrator.state import NodeState
-from orchestrator.supervisor.deadlines import LoopLag, OldestFirst
+from orchestrator.supervisor.deadlines import LoopLag, OldestFirst, ServiceClock
 
 _R, _A, _S, _L, _X, _E = (NodeState.REGISTERED, NodeState.ACTIVE, NodeState.SPARE,
                           NodeState.LOST, NodeState.EXCLUDED, NodeState.EXITED)
@@ -89,6 +89,8 @@ class NodeRegistry:
                  lag: LoopLag | None = None) -> None:
         self._clock = clock
         self._service = lag.service_time if lag is not None else clock.monotonic
+        # What rank progress and hangs are judged on: the service clock too.
+        self.judge_clock: Clock = ServiceClock(clock, lag) if lag is not None else clock
         self._record = record
         self._on_counts = on_counts
         self.nodes: dict[str, NodeRecord] = {}

@@ -1,23 +1,27 @@
-"""Node loss judged on the supervisor's service clock (``deadlines.LoopLag``): time the
-supervisor's own loop was late does not count against a node's silence; every other second
-does; a lost node that beats again is taken back. The fuzz test plays random scripts of
+"""Node loss and hangs judged on the supervisor's service clock (``deadlines.LoopLag``):
+time the supervisor's own loop was late does not count against a node's silence or a rank's
+progress; every other second does; a lost node that beats again is taken back. The fuzz test plays random scripts of
 beats, quiet time and supervisor stalls against a plain model of the rule."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from fakes import FakeClock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.clock import SYSTEM_CLOCK
+from orchestrator.config import Config
 from orchestrator.events import NodeStateChanged
-from orchestrator.protocol import RegisterRequest
+from orchestrator.protocol import RankInfo, RegisterRequest
 from orchestrator.state import NodeState
-from orchestrator.supervisor.deadlines import LoopLag
+from orchestrator.supervisor.deadlines import LoopLag, ServiceClock
+from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
 from orchestrator.supervisor.nodes import NodeRegistry
+from orchestrator.supervisor.progress import ProgressTracker
 
 LIMIT = 10.0
 CASES = {"script": 0}
@@ -126,3 +130,23 @@ def test_the_lag_task_measures_a_loop_blocked_by_a_handler() -> None:
     lag = asyncio.run(main())
     assert lag.late_s >= 0.4 and lag.worst_s >= 0.4 and lag.wakeups >= 2
 
+
+
+def test_a_rank_is_not_called_hung_for_the_seconds_the_supervisor_was_late() -> None:
+    clock = FakeClock()
+    lag = LoopLag(clock)
+    judge = ServiceClock(clock, lag)
+    cfg = Config.model_validate({"timeouts": {"training_floor_s": 10.0}})
+    tracker = ProgressTracker(Path("/dev/null"), judge, lambda e: None)  # type: ignore
+    tracker.start_generation(1, 1)
+    tracker.on_ranks(1, [RankInfo(rank=0, local_rank=0, step=3, phase="training",
+                                  beat_ts=clock.time(), step_interval_max=0.5)])
+    training = TrainingTimeout(cfg.timeouts, None)
+    gen = tracker.current
+    assert gen is not None
+    clock.advance(15.0)
+    lag.note(15.0)  # the supervisor's loop was held the whole time
+    assert not find_hangs(gen, cfg.timeouts, training, judge.monotonic())
+    clock.advance(10.5)  # ten and a half seconds it kept up, and no step
+    (suspect,) = find_hangs(gen, cfg.timeouts, training, judge.monotonic())
+    assert suspect.rank == 0 and 10.0 < suspect.idle_s < 11.0
