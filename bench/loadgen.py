@@ -12,7 +12,7 @@ measured:
 
     registration_s / running_s     supervisor start -> every node registered / RUNNING
     heartbeat p50 / p99 / max      round trip of a beat as the agent saw it; drops = failed
-    supervisor cpu / rss           psutil on the supervisor's process, sampled every 0.5 s
+    supervisor cpu / rss           /proc of the supervisor's process, sampled every 0.5 s
     per fault                      detection latency (vs its timeout), stop (STOPPING ->
                                    RECOVERING), relaunch (STOPPING -> RUNNING), relaunches
     invariants                     healthy nodes declared LOST (must be 0), relaunches per
@@ -39,13 +39,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen_wire as wire
-import psutil
 from common import header, write
 from loadgen_agent import Net, SimNode, Stats
 
 from orchestrator import events as ev
+from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.journal import read_journal
 from orchestrator.state import NodeState
+from orchestrator.supervisor.deadlines import LoopLag
 
 FAULTS = ("crash", "hang", "node_lost")
 
@@ -68,6 +69,31 @@ def supervisor_cmd(run: Path, a: argparse.Namespace) -> list[str]:
     return cmd
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def proc_cpu_rss(pid: int) -> tuple[float, float]:
+    """A process's CPU seconds (user + system, its threads included) and resident bytes,
+    from /proc (no psutil: the run needs only what `pip install -e .` installs)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return (int(fields[11]) + int(fields[12])) / _TICK, float(rss_pages * _PAGE)
+
+
+def cpu_list(text: str) -> set[int]:
+    """`taskset -c` syntax: "0,1" or "2-15" or "0-1,4"."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus or not cpus <= os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)):
+        raise argparse.ArgumentTypeError(f"not CPUs of this machine: {text!r}")
+    return cpus
+
+
 class Supervised:
     """The supervisor subprocess: its URL, its state (via /healthz) and its CPU and RSS."""
 
@@ -80,11 +106,15 @@ class Supervised:
         # timeout) kills the supervisor with it.
         self.proc = subprocess.Popen(supervisor_cmd(run, a), env=env, stdout=self.out,
                                      stderr=subprocess.STDOUT)
-        self.ps = psutil.Process(self.proc.pid)
+        if a.supervisor_cpus:
+            # As `taskset -c -p` would: set while the child is still importing, before it
+            # starts a thread (threads inherit it). No preexec_fn: this process has threads.
+            os.sched_setaffinity(self.proc.pid, a.supervisor_cpus)
         self.started = time.time()
         self.samples: list[tuple[float, float, float]] = []  # wall, cpu s, rss bytes
         self.own: list[tuple[float, float]] = []  # the generator's own wall, cpu s
-        self.me = psutil.Process()
+        self.load: list[float] = []  # the machine's 1-minute load average
+        self.late_s: float | None = None  # the supervisor's own loop lateness (/metrics)
         self.url = ""
 
     async def wait_url(self, timeout: float) -> str:
@@ -103,13 +133,13 @@ class Supervised:
     async def sample(self) -> None:
         while self.proc.poll() is None:
             try:
-                cpu = self.ps.cpu_times()
-                self.samples.append((time.time(), cpu.user + cpu.system,
-                                     float(self.ps.memory_info().rss)))
-                mine = self.me.cpu_times()
-                self.own.append((time.time(), mine.user + mine.system))
-            except psutil.Error:
+                cpu, rss = proc_cpu_rss(self.proc.pid)
+            except (OSError, ValueError, IndexError):
                 return
+            mine = os.times()
+            self.samples.append((time.time(), cpu, rss))
+            self.own.append((time.time(), mine.user + mine.system))
+            self.load.append(os.getloadavg()[0])
             await asyncio.sleep(0.5)
 
     def kill(self) -> None:
@@ -134,6 +164,18 @@ async def wait_state(net: Net, states: set[str], timeout: float, sup: Supervised
             return True
         await asyncio.sleep(0.2)
     return False
+
+
+async def supervisor_late(net: Net) -> float | None:
+    """orchestrator_supervisor_late_seconds_total: how late the supervisor's loop was."""
+    try:
+        _, text = await net.call("", "GET", "/metrics", 10.0, raw=True)
+    except (OSError, TimeoutError):
+        return None
+    for line in str(text).splitlines():
+        if line.startswith("orchestrator_supervisor_late_seconds_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 def pick_victim(nodes: list[SimNode], taken: set[str]) -> SimNode:
@@ -173,6 +215,7 @@ async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
         if not fault["relaunched"]:
             break
     await asyncio.sleep(a.settle_s)
+    sup.late_s = await supervisor_late(net)
     out["stop_ts"] = time.time()
     try:
         await net.call("", "POST", "/v1/stop", 10.0, json={"reason": "loadgen done"})
@@ -188,6 +231,10 @@ async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
     load_before = os.getloadavg()
     sup = Supervised(run, a, token)
     stats = Stats()
+    # How late this generator's own loop was: beats it sent late are the network's
+    # silence to the supervisor, not the supervisor's fault.
+    own_lag = LoopLag(SYSTEM_CLOCK)
+    lag_task = asyncio.create_task(own_lag.run())
     try:
         net_url = await sup.wait_url(60.0)
         async with Net(net_url, token, stats) as net:
@@ -208,8 +255,15 @@ async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
             await asyncio.gather(*agents, return_exceptions=True)
             sampler.cancel()
     finally:
+        lag_task.cancel()
         sup.kill()
     result.update(analyse(run, sup, stats, result, a))
+    result.update({"loadgen_late_s": round(own_lag.late_s, 2),
+                   "loadgen_late_worst_s": round(own_lag.worst_s, 3),
+                   "supervisor_late_s": None if sup.late_s is None else round(sup.late_s, 2),
+                   "load_during_max": round(max(sup.load), 2) if sup.load else None,
+                   "load_during_mean": round(statistics.fmean(sup.load), 2) if sup.load
+                   else None})
     result.update({"run": index, "run_dir": str(run), "supervisor_rc": sup.proc.returncode,
                    "load_before": [round(x, 2) for x in load_before],
                    "load_after": [round(x, 2) for x in os.getloadavg()]})
@@ -303,7 +357,8 @@ def _ms(x: float | None) -> float | None:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("registration_s", "running_s", "heartbeat_p50_ms", "heartbeat_p99_ms",
             "heartbeat_max_ms", "heartbeat_drops", "supervisor_cpu_pct",
-            "supervisor_rss_mb_max", "healthy_nodes_lost")
+            "supervisor_rss_mb_max", "healthy_nodes_lost", "loadgen_cpu_pct", "loadgen_late_s",
+            "supervisor_late_s", "load_during_mean", "load_during_max")
     out: dict[str, Any] = {}
     for k in keys:
         vals = [r[k] for r in runs if r.get(k) is not None]
@@ -338,7 +393,13 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="where run dirs go (default: $TMPDIR)")
     ap.add_argument("--out", default=None, help="results/<name>.json (default: print only)")
     ap.add_argument("--json", default=None, help="also write the report to this path")
+    ap.add_argument("--supervisor-cpus", type=cpu_list, default=None,
+                    help="pin the supervisor to these CPUs, taskset -c syntax (e.g. 0-1)")
+    ap.add_argument("--loadgen-cpus", type=cpu_list, default=None,
+                    help="pin this generator (the simulated agents) to these CPUs (e.g. 2-15)")
     a = ap.parse_args()
+    if a.loadgen_cpus:
+        os.sched_setaffinity(0, a.loadgen_cpus)
     a.faults = [f for f in a.faults.split(",") if f]
     unknown = set(a.faults) - set(FAULTS)
     if unknown:
@@ -351,7 +412,8 @@ def main() -> int:
               flush=True)
     report = {**header(a.device), "cpus": os.cpu_count(),
               "affinity": sorted(os.sched_getaffinity(0)),
-              "params": {k: v for k, v in vars(a).items() if k not in ("out", "json")},
+              "params": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(a).items()
+                         if k not in ("out", "json")},
               "runs_done": len(runs), "median": summarize(runs), "runs": runs}
     if a.out:
         print(f"wrote {write(Path(a.out).name, report)}")

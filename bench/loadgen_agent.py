@@ -76,7 +76,8 @@ class Net:
         if self._operator is None:
             self._operator = self.conn("")
         return await self._operator.request(method, path, timeout,
-                                            json_body=kwargs.get("json"))
+                                            json_body=kwargs.get("json"),
+                                            raw=kwargs.get("raw", False))
 
 
 class SimNode:

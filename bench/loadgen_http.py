@@ -104,10 +104,10 @@ class Conn:
         self._proto = None
 
     async def request(self, method: str, path: str, timeout: float, *,
-                      json_body: Any = None, params: dict[str, Any] | None = None
-                      ) -> tuple[int, Any]:
-        """(status, parsed JSON body or text for a status >= 400). Raises ``HttpError`` or
-        ``TimeoutError``; the connection is then dropped (an answer may still be coming)."""
+                      json_body: Any = None, params: dict[str, Any] | None = None,
+                      raw: bool = False) -> tuple[int, Any]:
+        """(status, parsed JSON body; text for a status >= 400 or with ``raw``). Raises
+        ``HttpError`` or ``TimeoutError``; the connection is then dropped (an answer may still be coming)."""
         target = path + ("?" + urlencode(params) if params else "")
         body = b"" if json_body is None else json.dumps(json_body, separators=(",", ":"),
                                                         allow_nan=False).encode()
@@ -118,16 +118,16 @@ class Conn:
         async with self._lock:
             try:
                 async with asyncio.timeout(timeout):
-                    status, raw = await self._send(data, retry=True)
+                    status, body_bytes = await self._send(data, retry=True)
             except TimeoutError:
                 self.close()
                 raise
             except OSError as exc:
                 self.close()
                 raise HttpError(str(exc)) from exc
-        if status >= 400:
-            return status, raw.decode("utf-8", "replace")
-        return status, json.loads(raw) if raw else None
+        if status >= 400 or raw:
+            return status, body_bytes.decode("utf-8", "replace")
+        return status, json.loads(body_bytes) if body_bytes else None
 
     async def _send(self, data: bytes, retry: bool) -> tuple[int, bytes]:
         proto = await self._open()
