@@ -239,7 +239,8 @@ async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
         net_url = await sup.wait_url(60.0)
         async with Net(net_url, token, stats) as net:
             sampler = asyncio.create_task(sup.sample())
-            nodes = [SimNode(net, i, a.procs, a.step_s, run / "stacks")
+            nodes = [SimNode(net, i, a.procs, a.step_s, run / "stacks",
+                             beat_timeout_s=max(5.0, a.lost_s))
                      for i in range(a.nodes + a.spares)]
             agents = [asyncio.create_task(n.run()) for n in nodes]
             try:

@@ -25,8 +25,8 @@ from loadgen_http import Conn
 # A rank starts in ``init`` and reaches ``training`` this long after its start (imports,
 # rendezvous); its steps then advance every ``step_s``.
 _INIT_S = 1.0
-# The agent's own timeouts (as orchestrator.agent.agent): heartbeat 5 s, long-poll 20 s.
-_BEAT_TIMEOUT_S = 5.0
+# The agent's own timeouts (as orchestrator.agent.agent): a heartbeat waits up to the
+# node-loss limit (NodeConfig.beat_timeout_s), a long-poll 20 s.
 _POLL_S = 20
 
 
@@ -81,7 +81,9 @@ class Net:
 
 
 class SimNode:
-    def __init__(self, net: Net, index: int, procs: int, step_s: float, stacks: Path) -> None:
+    def __init__(self, net: Net, index: int, procs: int, step_s: float, stacks: Path,
+                 beat_timeout_s: float = 5.0) -> None:
+        self.beat_timeout_s = beat_timeout_s
         self.net, self.stats = net, net.stats
         self.node_id = f"node-{index:05d}"
         self.procs, self.step_s, self.stacks = procs, step_s, stacks
@@ -225,7 +227,8 @@ class SimNode:
             t0 = time.monotonic()
             try:
                 status, data = await self._conns["beat"].request("POST", "/v1/heartbeat",
-                                                            _BEAT_TIMEOUT_S, json_body=body)
+                                                            self.beat_timeout_s,
+                                                            json_body=body)
             except (OSError, TimeoutError) as exc:
                 self.stats.beats_failed += 1
                 self.stats.error(f"heartbeat {self.node_id}: {type(exc).__name__} {exc}")

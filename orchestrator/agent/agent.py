@@ -197,7 +197,8 @@ class Agent:
                 continue
             try:
                 await self.client.request("POST", "/v1/heartbeat",
-                                          json=hb.model_dump(mode="json"), timeout=5.0)
+                                          json=hb.model_dump(mode="json"),
+                                          timeout=self.node_config.beat_timeout_s)
                 self._contact()
             except (Unreachable, SupervisorError) as exc:
                 # Keep the records for the next beat (the supervisor may be restarting).

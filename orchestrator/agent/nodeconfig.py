@@ -50,6 +50,15 @@ class NodeConfig:
     workdir: Path | None = None
     master_port: int | None = None
     master_port_range: tuple[int, int] | None = None
+    node_lost_s: float = 30.0
+
+    @property
+    def beat_timeout_s(self) -> float:
+        """How long a heartbeat waits for its answer: up to the supervisor's node-loss
+        limit (at least 5 s). An overloaded supervisor answers late but still reads the
+        beat; one given up on is dropped with its connection, and agents that give up
+        sooner than it can answer only add reconnections to its queue."""
+        return max(5.0, self.node_lost_s)
 
     @classmethod
     def unknown(cls) -> NodeConfig:
@@ -66,7 +75,8 @@ class NodeConfig:
             workdir = Path(job.workdir.format(node_id=node_id)).expanduser().absolute()
         return cls(job=job.name, max_restarts=cfg.restart.max_restarts,
                    stop_grace_s=cfg.timeouts.stop_grace_s, workdir=workdir,
-                   master_port=job.master_port, master_port_range=job.master_port_range)
+                   master_port=job.master_port, master_port_range=job.master_port_range,
+                   node_lost_s=cfg.timeouts.node_lost_s)
 
     def free_port(self) -> int:
         """The rendezvous port this node offers: the fixed one, a free one in the range

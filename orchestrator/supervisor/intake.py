@@ -80,6 +80,7 @@ class Intake:
         self._started_count = 0  # sum of len(started[...]), kept as it changes
         self.exits: dict[int, dict[str, Any]] = {}
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
+        self._config_json: dict[str, Any] | None = None
         self.running_since: float | None = None
         self.training_timeout = TrainingTimeout(
             ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"))
@@ -113,8 +114,10 @@ class Intake:
             self.ctx.log.info("node registered", node=req.node_id, host=req.host,
                               procs=req.procs, running_generation=req.generation)
             self.nodes.sync_counts()
+        if self._config_json is None:  # the same for every node: dumped once
+            self._config_json = self.cfg.model_dump(mode="json")
         return RegisterResponse(node_id=req.node_id, job=self.cfg.job.name,
-                                config=self.cfg.model_dump(mode="json"),
+                                config=self._config_json,
                                 heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s)
 
     def on_heartbeat(self, hb: Heartbeat) -> dict[str, Any]:

@@ -138,15 +138,18 @@ class NodeRegistry:
         found oldest-first: a check with no silent node costs one look at the heap.
 
         When many nodes fall silent together (more than ``MASS_SILENCE_MIN`` and a quarter
-        of the live ones), the likelier culprit is this supervisor (its loop behind a burst
-        of messages) or the network, not each node: as Kubernetes' node controller stops
-        evicting in a mostly unhealthy zone, they get ``MASS_SILENCE_GRACE`` times the limit
-        before they are declared lost, and ``held_back`` counts the checks that waited."""
+        of the live ones silent for half the limit or more), the likelier culprit is this
+        supervisor (its loop behind a burst of messages) or the network, not each node: as
+        Kubernetes' node controller stops evicting in a mostly unhealthy zone, they get
+        ``MASS_SILENCE_GRACE`` times the limit before they are declared lost, and
+        ``held_back`` counts the checks that waited. Half the limit, not the limit: nodes
+        that registered over several seconds fall silent over several seconds, and counted
+        past the limit they crossed it a few at a time, never a quarter at once."""
         now = self._service()
         oldest = self._silence.oldest()
         if oldest is None or now - oldest[1] <= limit_s:
             return []
-        silent = self._silence.count_older_than(now - limit_s)
+        silent = self._silence.count_older_than(now - limit_s / 2)
         if silent > max(MASS_SILENCE_MIN, len(self._silence) // 4):
             limit_s *= MASS_SILENCE_GRACE
             self.held_back += 1
