@@ -37,7 +37,7 @@ from orchestrator.protocol import (
 from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.chaos import ChaosDriver
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
+from orchestrator.supervisor.hangs import Suspect, TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 from orchestrator.supervisor.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
@@ -241,7 +241,8 @@ class Intake:
         now = self.nodes.service_time()
         if not any_overdue(gen, self.cfg.timeouts, self.training_timeout, now):
             return None
-        suspects = find_hangs(gen, self.cfg.timeouts, self.training_timeout, now)
+        suspects = self._beating(find_hangs(gen, self.cfg.timeouts, self.training_timeout,
+                                            now))
         if not suspects:
             return None
         first = suspects[0]
@@ -253,6 +254,24 @@ class Intake:
                           "idle_s": round(s.idle_s, 2), "silent": s.silent,
                           "beat_age_s": None if s.beat_age_s is None else round(s.beat_age_s, 2)}
                          for s in suspects]})
+
+    def _beating(self, suspects: list[Suspect]) -> list[Suspect]:
+        """The suspects whose node still beats: a rank that is quiet because its whole node
+        went quiet is the node-loss check's to judge (with its grace for many silent
+        nodes at once), not a hang: under a burst of late beats every rank of the late
+        nodes looked hung before any node was due to be lost."""
+        if not suspects:
+            return suspects
+        launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}
+        by_rank = {rank: node_id for node_id, rank in launch.get("nodes", {}).items()}
+        ppn = self.cfg.cluster.procs_per_node
+        quiet = max(3 * self.cfg.timeouts.heartbeat_interval_s, 1.0)
+        kept = []
+        for s in suspects:
+            node = self.nodes.nodes.get(by_rank.get(s.rank // ppn, ""))
+            if node is None or self.nodes.judged_silence(node) <= quiet:
+                kept.append(s)
+        return kept
 
     def _generation_nodes(self) -> set[str]:
         launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}

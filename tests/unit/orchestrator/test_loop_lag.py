@@ -9,7 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from fakes import FakeClock
+from fakes import FakeClock, FakeLog, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,11 +17,13 @@ from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.config import Config
 from orchestrator.events import NodeStateChanged
 from orchestrator.protocol import RankInfo, RegisterRequest
-from orchestrator.state import NodeState
+from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.deadlines import LoopLag, ServiceClock
 from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
+from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.stability import StabilityHook
 
 LIMIT = 10.0
 CASES = {"script": 0}
@@ -150,3 +152,48 @@ def test_a_rank_is_not_called_hung_for_the_seconds_the_supervisor_was_late() -> 
     clock.advance(10.5)  # ten and a half seconds it kept up, and no step
     (suspect,) = find_hangs(gen, cfg.timeouts, training, judge.monotonic())
     assert suspect.rank == 0 and 10.0 < suspect.idle_s < 11.0
+
+
+def test_ranks_of_a_silent_node_are_left_to_the_node_loss_check(tmp_path: Path) -> None:
+    """A rank quiet because its whole node is quiet is no hang (node loss judges it, with
+    its grace for many silent nodes); a rank quiet while its node beats on is."""
+    cfg = Config.model_validate({"job": {"name": "t"},
+                                 "cluster": {"nodes": 2, "procs_per_node": 2},
+                                 "timeouts": {"training_floor_s": 10.0, "node_lost_s": 60.0,
+                                              "heartbeat_interval_s": 1.0}})
+    clock = FakeClock()
+    ctx = make_context(tmp_path, cfg, clock, FakeLog())
+    lag = LoopLag(clock)
+    nodes = NodeRegistry(clock, ctx.record, lag=lag)
+    intake = Intake(ctx, nodes, StabilityHook(ctx), lambda *a: None)
+    for i, n in enumerate(("n0", "n1")):
+        _register(nodes, n)
+        nodes.move(nodes.nodes[n], NodeState.ACTIVE, node_rank=i)
+    ctx.recorder.view.launches.append({"generation": 1, "nodes": {"n0": 0, "n1": 1}})
+    ctx.recorder.view.state = JobState.RUNNING
+    intake.begin_generation(1, 4)
+
+    def beat(node: str, ranks: range, step: int) -> None:
+        infos = [RankInfo(rank=r, local_rank=r % 2, step=step, phase="training",
+                          beat_ts=clock.time(), step_interval_max=0.5) for r in ranks]
+        nodes.heartbeat(node, 1, None, infos)
+        intake.progress.on_ranks(1, infos)
+
+    beat("n0", range(2), 1)
+    beat("n1", range(2, 4), 1)
+    for t in range(12):  # n0 beats on, its ranks advancing; n1 falls silent
+        clock.advance(1.0)
+        beat("n0", range(2), 2 + t)
+    assert intake.judge_batch(1, []) is None  # n1's ranks: its node's silence, not a hang
+    clock.advance(1.0)
+    infos = [RankInfo(rank=r, local_rank=r % 2, step=3, phase="training",
+                      beat_ts=clock.time(), step_interval_max=0.5) for r in range(2, 4)]
+    nodes.heartbeat("n1", 1, None, infos)  # n1 beats again, its ranks stuck at step 3 ...
+    intake.progress.on_ranks(1, infos)
+    for _ in range(11):
+        clock.advance(1.0)
+        beat("n0", range(2), 20)
+        beat("n1", range(2, 4), 3)
+    outcome = intake.judge_batch(1, [])  # ... for 11 s while beating: a hang
+    assert outcome is not None and outcome.cause is Cause.HANG
+    assert outcome.detail["rank"] in (2, 3) and outcome.detail["node_id"] == "n1"
