@@ -240,7 +240,7 @@ async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
         async with Net(net_url, token, stats) as net:
             sampler = asyncio.create_task(sup.sample())
             nodes = [SimNode(net, i, a.procs, a.step_s, run / "stacks",
-                             beat_timeout_s=max(5.0, a.lost_s))
+                             beat_timeout_s=max(5.0, 3.0 * a.lost_s))
                      for i in range(a.nodes + a.spares)]
             agents = [asyncio.create_task(n.run()) for n in nodes]
             try:

@@ -25,8 +25,8 @@ from loadgen_http import Conn
 # A rank starts in ``init`` and reaches ``training`` this long after its start (imports,
 # rendezvous); its steps then advance every ``step_s``.
 _INIT_S = 1.0
-# The agent's own timeouts (as orchestrator.agent.agent): a heartbeat waits up to the
-# node-loss limit (NodeConfig.beat_timeout_s), a long-poll 20 s.
+# The agent's own timeouts (as orchestrator.agent.agent): a heartbeat or an event batch
+# waits up to 3x the node-loss limit (NodeConfig.beat_timeout_s), a long-poll 20 s.
 _POLL_S = 20
 
 
@@ -330,7 +330,8 @@ class SimNode:
             return True
         try:
             status, data = await self._conns["events"].request(
-                "POST", "/v1/events", 10.0, json_body=wire.events(self.node_id, batch))
+                "POST", "/v1/events", self.beat_timeout_s,
+                json_body=wire.events(self.node_id, batch))
         except (OSError, TimeoutError) as exc:
             self.stats.events_failed += 1
             self.stats.error(f"events {self.node_id}: {type(exc).__name__} {exc}")

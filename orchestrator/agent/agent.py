@@ -361,14 +361,15 @@ class Agent:
             if not await self._send_events():
                 await asyncio.sleep(0.3)
 
-    async def _send_events(self) -> bool:
+    async def _send_events(self, timeout: float | None = None) -> bool:
         batch = self._events[:500]
         if not batch:
             self._events_ready.clear()
             return True
         try:
             await self.client.request("POST", "/v1/events",
-                                      json={"node_id": self.node_id, "events": batch})
+                                      json={"node_id": self.node_id, "events": batch},
+                                      timeout=timeout or self.node_config.beat_timeout_s)
             self._contact()
         except Unreachable:
             return False
@@ -388,7 +389,7 @@ class Agent:
     async def _flush_events(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while self._events and time.monotonic() < deadline:
-            if not await self._send_events():
+            if not await self._send_events(max(0.1, deadline - time.monotonic())):
                 await asyncio.sleep(0.2)
 
     async def _orphan_watch(self) -> None:
