@@ -136,6 +136,25 @@ class StabilitySkip(EventData):
     step: Step
 
 
+class ProfileWritten(EventData):
+    """A rank wrote its profile's trace (``orchestrator.worker.profiling``)."""
+
+    id: Annotated[int, Field(ge=1, le=1 << 31)]
+    start_step: Step
+    first_step: Step
+    last_step: Step
+    path: Text
+    bytes: Count
+    profiled_s: Seconds | None = None
+    export_s: Seconds | None = None
+
+
+class ProfileFailed(EventData):
+    id: Annotated[int, Field(ge=1, le=1 << 31)] | None = None
+    start_step: Step | None = None
+    error: Text
+
+
 class Custom(EventData):
     """Any other name: a user script's own event, a flat mapping of scalars."""
 
@@ -154,6 +173,8 @@ _MODELS: dict[str, type[EventData]] = {
     "params_digest": ParamsDigest,
     "chaos": Chaos,
     "stability_skip": StabilitySkip,
+    "profile_written": ProfileWritten,
+    "profile_failed": ProfileFailed,
 }
 KNOWN_NAMES = frozenset(_MODELS)
 # Keys a data mapping may have at most (a user event is a handful of figures).

@@ -20,6 +20,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import TrainerConfig
 from trainer.distributed import DistContext
 from trainer.state import tensors_digest
+from trainer.steptime import OptimizerTimer
 
 # A poisoned batch (chaos) scales its loss, hence its gradients, by this much: a gradient
 # explosion the stability detectors must catch, reproducible from the batch index alone.
@@ -44,6 +45,7 @@ class Parts:
     slow_checkpoint_s: float = 0.0  # chaos: extra blocking time per save
     slow_first_step_s: float = 0.0  # chaos: extra time in each generation's first step
     startup: dict[str, float | None] | None = None  # wall times of start-up milestones
+    optimizer_timer: OptimizerTimer | None = None  # the breakdown's optimizer share
 
     @property
     def model(self) -> nn.Module:
@@ -65,13 +67,19 @@ def train_step(p: Parts) -> dict[str, Any]:
         def decide(loss: float, grad_norm: float) -> bool:
             return guard.should_skip(next_step, loss, grad_norm)
 
+    t1 = time.perf_counter()
     out = p.stepper.step(batch.micro_batches, scale, decide)
+    compute_s = time.perf_counter() - t1
+    optim_s = p.optimizer_timer.take() if p.optimizer_timer is not None else None
     p.progress.step = next_step
     # Ranks that share a batch (tensor-parallel peers) count its tokens once.
     p.progress.tokens += batch.tokens * p.loader.dp_world
     record: dict[str, Any] = {"loss": out.loss, "grad_norm": out.grad_norm, "lr": lr,
                               "tokens": p.progress.tokens, "batch": batch.index,
-                              "data_s": round(data_s, 6)}
+                              "data_s": round(data_s, 6),
+                              "fwd_bwd_s": round(compute_s - (optim_s or 0.0), 6)}
+    if optim_s is not None:
+        record["optim_s"] = round(optim_s, 6)
     if out.skipped:
         record["skipped"] = True
     if next_step % p.cfg.param_norm_every == 0:
@@ -99,6 +107,14 @@ def _stop_requested(p: Parts) -> bool:
 
 def train(p: Parts) -> None:
     """Steps until ``cfg.steps``; checkpoints every interval and always at the last step."""
+    p.optimizer_timer = p.optimizer_timer or OptimizerTimer().install()
+    try:
+        _train(p)
+    finally:
+        p.optimizer_timer.remove()
+
+
+def _train(p: Parts) -> None:
     cfg = p.cfg
     first = True
     while p.progress.step < cfg.steps:

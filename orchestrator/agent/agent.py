@@ -31,6 +31,7 @@ from orchestrator.logs import get_logger
 from orchestrator.protocol import (
     Assignment,
     Heartbeat,
+    ProfileOrder,
     RankExit,
     RankInfo,
     RanksStarted,
@@ -68,6 +69,7 @@ class Agent:
         self._registered = asyncio.Event()
         self._exit = asyncio.Event()
         self._done_signals: set[int] = set()
+        self._done_profiles: set[int] = set()
         self._last_contact = time.monotonic()
         self.node_config = NodeConfig.unknown()
         self._free_port = self.node_config.free_port()
@@ -166,6 +168,7 @@ class Agent:
                 info.step_interval_max = beat.interval_max
                 info.progress = beat.progress if beat.progress in ("sdk", "hook") else None
                 info.finished = beat.finished
+                info.step_time, info.data_wait = beat.step_time, beat.data_wait
             infos.append(info)
         return infos
 
@@ -235,6 +238,10 @@ class Agent:
                 self._done_signals.add(order.id)
                 if self.ranks is not None:
                     await self._signal(order.rank, order.signal)
+        for profile in a.profiles:
+            if profile.id not in self._done_profiles:
+                self._done_profiles.add(profile.id)
+                self._profile(profile)
         current = self.ranks.generation if self.ranks is not None else None
         if a.action == "health" and a.health is not None:
             if self.ranks is not None and self.ranks.alive:
@@ -252,6 +259,18 @@ class Agent:
         elif a.action == "exit":
             await self._stop_ranks(report=True, generation=current)
             self._exit.set()
+
+    def _profile(self, order: ProfileOrder) -> None:
+        """A profile order: each of its ranks running here gets a ``profile`` line."""
+        running = self.ranks is not None and self.ranks.generation == order.generation
+        mine = {r.rank for r in self.ranks.ranks} if running and self.ranks else set()
+        for rank in order.ranks:
+            if rank in mine:
+                self.hub.send_order(rank, {"t": "profile", "id": order.id,
+                                           "start_step": order.start_step,
+                                           "steps": order.steps})
+        self.log.info("profile order", id=order.id, start_step=order.start_step,
+                      steps=order.steps, ranks=sorted(mine & set(order.ranks)))
 
     async def _signal(self, rank: int, sig: str) -> None:
         """A signal order. SIGUSR1 asks for the rank's stacks: sent where faulthandler will

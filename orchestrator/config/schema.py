@@ -253,6 +253,27 @@ class RestartConfig(Section):
         3600.0, gt=0, description="Window for node_failure_limit.")
 
 
+class StragglerConfig(Section):
+    """Naming a rank or node persistently slower than its peers (``supervisor.stragglers``)."""
+
+    enabled: bool = Field(True, description="Compare the ranks' step times and data waits.")
+    margin: float = Field(
+        0.2, gt=0, le=100,
+        description="Slow: a rank's step time or data wait exceeds the median of the other "
+        "ranks' by more than this fraction of their step time (0.2: a fifth of a step).")
+    min_excess_s: float = Field(
+        0.01, ge=0, description="...and by at least this many seconds a step (tiny steps' "
+        "jitter is not a straggler).")
+    window_s: float = Field(
+        120.0, gt=0, description="Persistently: slow at every check for this long before "
+        "the node is named (and back within the margin this long before it is cleared).")
+    check_every_s: float = Field(
+        5.0, gt=0, description="How often the supervisor compares the ranks.")
+    action: Literal["record", "exclude"] = Field(
+        "record", description="record: journal, metrics, status and alert; exclude: also "
+        "take a named node out at the next restart when a spare can take its place.")
+
+
 class MetricsConfig(Section):
     """The supervisor's HTTP endpoint: control API, /metrics, /healthz."""
 
@@ -371,6 +392,7 @@ class Config(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
 

@@ -43,6 +43,7 @@ from orchestrator.supervisor.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
 from orchestrator.supervisor.stability import StabilityHook
+from orchestrator.supervisor.stragglers import StragglerWatch
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Intake:
         self._health_report = health_report
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         self.progress = ProgressTracker(ctx.rundir.steps, ctx.clock, ctx.record)
+        self.stragglers = StragglerWatch(ctx)
         self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
                                  ctx.view.chaos_fired)
         self.generation: int | None = None
@@ -121,6 +123,8 @@ class Intake:
         if node is None:
             raise UnknownNode(hb.node_id)
         self.progress.on_ranks(hb.generation, hb.ranks)
+        if hb.generation is not None and hb.generation == self.generation:
+            self.stragglers.on_ranks(hb.node_id, hb.ranks)
         if hb.records:
             accepted = self.progress.on_records(hb.generation, hb.records)
             if accepted:  # rank 0's records of the running generation only
@@ -337,6 +341,11 @@ class Intake:
                 self.ctx.record(event)
                 self.ctx.log.warning("chaos: rank signalled itself", rank=msg.rank,
                                      signal=event.signal, step=event.step)
+            elif msg.name == "profile_written":
+                self.ctx.record(ev.ProfileWritten(**data, **where, node_id=node_id))
+            elif msg.name == "profile_failed":
+                self.ctx.record(ev.ProfileFailed(**data, **where, node_id=node_id))
+                self.ctx.log.warning("profile failed", rank=msg.rank, error=data.get("error"))
             elif msg.name in _PLAIN_WORKER_EVENTS:
                 self.ctx.record(ev.WorkerNote(kind=msg.name, node_id=node_id, **data, **where))
             else:
@@ -365,6 +374,7 @@ class Intake:
                 training_timeout_s=round(self.training_timeout.value(), 3)))
         if self.ctx.view.state is JobState.RUNNING and self.running_since is None:
             self.running_since = self.ctx.clock.monotonic()
+        self.stragglers.tick(generation)
         for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
             node = self._node_of_rank(inj.rank)
             if node is None:

@@ -12,7 +12,12 @@ from orchestrator import __version__
 from orchestrator.books import BADPUT_CATEGORIES
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import JobState, NodeState
-from orchestrator.supervisor.metrics import FAILURE_CAUSES, STABILITY_KINDS, SupervisorMetrics
+from orchestrator.supervisor.metrics import (
+    FAILURE_CAUSES,
+    STABILITY_KINDS,
+    STRAGGLER_ACTIONS,
+    SupervisorMetrics,
+)
 
 # name (family, as the parser reports it) -> (type, labels besides job, label values)
 SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
@@ -48,6 +53,11 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_job_created_timestamp_seconds": ("gauge", {}),
     # One series per check of the health-check catalog.
     "orchestrator_health_check_failures": ("counter", {"check": CHECK_NAMES}),
+    # Stragglers (orchestrator.supervisor.stragglers): named now, and events by action.
+    "orchestrator_straggler_nodes": ("gauge", {}),
+    "orchestrator_straggler_ranks": ("gauge", {}),
+    "orchestrator_straggler_excess_seconds": ("gauge", {}),
+    "orchestrator_straggler_events": ("counter", {"action": STRAGGLER_ACTIONS}),
 }
 
 
