@@ -1,18 +1,22 @@
 """Stragglers: a rank, and so its node, persistently slower than its peers.
 
-Every rank's worker SDK summarizes its recent steps in its heartbeat: the mean step
-interval and the mean data wait (the ``data_s`` of its step records) over its last steps
-(``RankInfo.step_time``, ``RankInfo.data_wait``). The agent relays them in the heartbeat it
-sends anyway; :meth:`StragglerDetector.update` keeps the newest pair per rank (a dict store,
-the only per-heartbeat cost), and every ``check_every_s`` :meth:`StragglerDetector.evaluate`
-compares each rank with the median of the *other* ranks:
+Every rank's worker SDK summarizes its recent steps in its heartbeat: the mean of each
+step's own time (the ``step_time`` a script reports with its step, else the interval between
+its step reports; our trainer's runs from the batch to the update, without the wait for its
+peers at the loop's end) and the mean data wait (the ``data_s`` of its step records) over
+its last steps (``RankInfo.step_time``, ``RankInfo.data_wait``). The agent relays them in the
+heartbeat it sends anyway; :meth:`StragglerDetector.update` keeps the newest pair per rank (a
+dict store, the only per-heartbeat cost), and every ``check_every_s``
+:meth:`StragglerDetector.evaluate` compares each rank with the median of the *other* ranks:
 
     excess = max(step_time - peers' step time, data_wait - peers' data wait)
     slow   = excess > margin x peers' step time  and  excess >= min_excess_s
 
-In a synchronous job every rank's step interval converges to the slowest rank's (the
-collectives wait for it), so the step time names a rank of an asynchronous or loosely
-coupled job, and the data wait names the rank whose input, or host, holds everyone back.
+A rank slowed outside the collectives (its input pipeline, its host, work after the update)
+shows in its own step time or data wait while its peers wait for it elsewhere. Slowness
+inside a step's collectives (a throttled accelerator in the middle of backward) makes every
+rank's step equally long: no rank stands out and none is named (the job's step-time
+histogram shows the slowdown; a profile places it).
 A node is slow when one of its ranks is; it is *named* once it has been slow at every
 check for ``window_s`` and *cleared* once it has been within the margin for ``window_s``.
 A rank whose figures stopped arriving (more than a window old) is left out.
@@ -109,7 +113,7 @@ class StragglerDetector:
         steps = sorted(s.step_time for s in fresh.values())
         waits = sorted(s.data_wait for s in fresh.values() if s.data_wait is not None)
         worst: dict[str, tuple[float, Finding]] = {}
-        slow_ranks: dict[str, list[int]] = {}
+        slow_by_node: dict[str, list[int]] = {}
         for rank, s in fresh.items():
             peer_step = median_without(steps, s.step_time)
             peer_wait = median_without(waits, s.data_wait) \
@@ -119,11 +123,11 @@ class StragglerDetector:
                 excess = max(excess, s.data_wait - peer_wait)
             if excess <= self.cfg.margin * peer_step or excess < self.cfg.min_excess_s:
                 continue
-            slow_ranks.setdefault(s.node_id, []).append(rank)
+            slow_by_node.setdefault(s.node_id, []).append(rank)
             if s.node_id not in worst or excess > worst[s.node_id][0]:
                 worst[s.node_id] = (excess, Finding(s.node_id, (), excess, s.step_time,
                                                     s.data_wait, peer_step, peer_wait))
-        return {node: replace(f, ranks=tuple(sorted(slow_ranks[node])))
+        return {node: replace(f, ranks=tuple(sorted(slow_by_node[node])))
                 for node, (_, f) in worst.items()}
 
     def evaluate(self, now: float) -> list[Change]:

@@ -22,12 +22,14 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import chaos as chaos_
 from orchestrator import envcontract as ec
+from orchestrator.chaos import ChaosPlan
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession, warm_up
 
 PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating")
@@ -61,7 +63,7 @@ class WorkerContext:
     resume_max_step: int | None = None
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
     lr_scale: float = 1.0
-    chaos: dict[str, Any] = field(default_factory=dict)
+    chaos: ChaosPlan = field(default_factory=ChaosPlan)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
@@ -99,6 +101,8 @@ class Worker:
         self._phase = "init"
         self._last_step_ts: float | None = None
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVAL_WINDOW)
+        # The straggler detector's inputs: each step's own time and data wait (see _beat).
+        self._step_times: collections.deque[float] = collections.deque(maxlen=_SUMMARY_STEPS)
         self._data_waits: collections.deque[float] = collections.deque(maxlen=_SUMMARY_STEPS)
         self._phase_since: float | None = None
         self._other_s = 0.0  # seconds in non-training phases since the last step
@@ -112,8 +116,7 @@ class Worker:
         # preload hook counts optimizer steps; the script has not called the SDK).
         self.progress = "sdk"
         self.checkpoint_requested = False  # set by CHECKPOINT_REQUEST_SIGNAL
-        self._kills = [k for k in self.ctx.chaos.get("kills", []) if k.get("rank") ==
-                       self.ctx.rank]
+        self._on_step: list[Callable[[int], None]] = []
         # An armed profile order (set by the beat thread, run by the training thread): the
         # one attribute the training thread tests per step when nobody asked for a profile.
         self._profile: ProfileSession | None = None
@@ -125,6 +128,7 @@ class Worker:
         if self.ctx.managed and self._thread is None:
             self._install_stack_dump()
             self._install_checkpoint_request()
+            chaos_.arm_worker(self, self.ctx.chaos, self.ctx.rank)
             self._thread = threading.Thread(target=self._beat_loop, name="orch-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -185,14 +189,21 @@ class Worker:
     def _record_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         now = self._clock()
         with self._lock:
+            interval = None
             if self._last_step_ts is not None:
                 # Time in other phases (a blocking checkpoint save) has timeouts of its own
                 # and would inflate the calibrated training timeout: it is not step time.
-                self._intervals.append(max(0.0, now - self._last_step_ts - self._other_s))
+                interval = max(0.0, now - self._last_step_ts - self._other_s)
+                self._intervals.append(interval)
             self._step, self._last_step_ts = step, now
             self._other_s = 0.0
-            data_s = metrics.get("data_s")
-            if isinstance(data_s, float | int) and not isinstance(data_s, bool):
+            # The step's own time where the script reports it (our trainer: batch to update,
+            # not the wait for its peers at the loop's end), else the interval.
+            own = _number(metrics.get("step_time"))
+            if own is not None or interval is not None:
+                self._step_times.append(own if own is not None else interval)
+            data_s = _number(metrics.get("data_s"))
+            if data_s is not None:
                 self._data_waits.append(data_s)
             if self._phase != "training":
                 self._phase = "training"
@@ -200,8 +211,8 @@ class Worker:
                 self._records.append({"step": step, "ts": now, **_plain(metrics)})
                 if len(self._records) > _MAX_RECORDS:
                     del self._records[: len(self._records) - _MAX_RECORDS]
-        if self._kills:
-            self._maybe_inject(step)
+        for hook in self._on_step:
+            hook(step)
         session = self._profile
         if session is not None:
             spent = session.on_step(step)
@@ -216,13 +227,14 @@ class Worker:
         if self.progress == "hook":
             self._record_step(count, {})
 
-    def _maybe_inject(self, step: int) -> None:
-        """Chaos from the orchestrator: signal this process right after ``step``."""
-        for kill in self._kills:
-            if kill.get("rank") == self.ctx.rank and kill.get("step") == step:
-                self._beat()  # the supervisor sees the step the kill landed on
-                self.event("chaos", **kill)  # marks it fired before we die
-                os.kill(os.getpid(), getattr(signal, str(kill.get("signal", "SIGKILL"))))
+    def on_step(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(step)`` in the training thread right after each step is recorded
+        (how ``orchestrator.chaos`` lands a kill on an exact step)."""
+        self._on_step.append(hook)
+
+    def beat_now(self) -> None:
+        """Send the latest record to the agent now, not at the next interval."""
+        self._beat()
 
     def set_phase(self, name: str) -> None:
         if name not in PHASES:
@@ -262,7 +274,7 @@ class Worker:
                    "generation": self.ctx.generation, "step": self._step,
                    "phase": self._phase, "last_step_ts": self._last_step_ts,
                    "interval_max": max(self._intervals) if self._intervals else None,
-                   "step_time": _recent_mean(self._intervals),
+                   "step_time": _recent_mean(self._step_times),
                    "data_wait": _recent_mean(self._data_waits),
                    "ts": self._clock(), "records": self._records,
                    "progress": self.progress, "finished": self._finished}
@@ -333,6 +345,11 @@ class Worker:
                             self._sock.close()
                     self._sock = None
         return False
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, float | int) and not isinstance(value, bool) \
+        else None
 
 
 def _recent_mean(values: collections.deque[float]) -> float | None:
