@@ -2,6 +2,7 @@
 # Runs the GPU benchmarks and tests on a lent GPU machine (no network there: the Python
 # packages the GPU image lacks travel as wheels in .whl/). Part A: GPU tests + throughput/MFU.
 # B: checkpoint stall. C: time to recover under `orchestrator up`. D: accelerator health checks.
+# P: profiling on demand (overhead, trace size).
 #   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D
 # (results under bench/results/, copied to $OUT when set)
 set -uo pipefail
@@ -50,6 +51,12 @@ elif [ "$part" = E ]; then
     --set restart.backoff_initial_s=0.5 --kill-step 290 --stop-step 390 \
     --out recovery-warm-h100.json 2>&1 | tail -45
   cp bench/results/recovery-warm-h100.json "$out/" 2>/dev/null
+elif [ "$part" = P ]; then
+  # Profiling on demand (issue 19): the step-time breakdown's cost, and a 5-step profile of
+  # the 1.14B model (CPU + CUDA activities, shapes, memory): its overhead and trace size.
+  python3 bench/profiling.py --device cuda --preset 1b --seq 2048 --mbs 4 --rounds 4 \
+    --block 10 --profile-steps 5 --out profiling-h100.json 2>&1 | grep -v '^USDT' | tail -40
+  cp bench/results/profiling-h100.json "$out/" 2>/dev/null
 else
   python3 bench/gpu_health.py 2>&1 | tail -10
   cp bench/results/health-*.json "$out/" 2>/dev/null
