@@ -132,3 +132,36 @@ def test_profile_one_rank_of_a_users_sdk_script(tmp_path: Path, dataset_dir: Pat
     assert sorted(p.name for p in (run / "profiles" / str(start)).iterdir()) == ["rank-1"]
     names = {e.get("name") for e in _trace_events(Path(written["path"]))}
     assert "aten::addmm" in names or "aten::linear" in names
+
+
+def test_profile_a_script_that_knows_nothing_of_the_orchestrator(tmp_path: Path,
+                                                                 dataset_dir: Path) -> None:
+    """No SDK at all: the preload hook counts the optimizer steps, and its worker takes the
+    order at the same step boundaries."""
+    script = Path(__file__).parent / "scripts" / "torchrun_ddp.py"
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir,
+                       job={"entrypoint": [sys.executable, str(script)],
+                            "env": {"STEPS": "1000000", "STEP_S": "0.01"}})
+    run = tmp_path / "run"
+    proc = _start(cfg, run)
+    try:
+        wait_for(lambda: _running_at_step(run, 3), timeout=240, what="training")
+        done = _orchestrator("profile", str(run), "-n", "2", "--wait", "--timeout", "240")
+        assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    finally:
+        try:
+            _stop(run, proc)
+        except BaseException:
+            kill_run(run, proc)
+            raise
+        finally:
+            kill_strays(run)
+    events = journal(run)
+    [asked] = [e for e in events if e["kind"] == "profile_requested"]
+    written = {e["rank"]: e for e in events if e["kind"] == "profile_written"}
+    assert set(written) == {0, 1}
+    for w in written.values():
+        assert (w["first_step"], w["last_step"]) == (asked["start_step"],
+                                                     asked["start_step"] + 1)
+        names = {e.get("name") for e in _trace_events(Path(w["path"]))}
+        assert f"ProfilerStep#{asked['start_step']}" in names
