@@ -267,6 +267,9 @@ class Worker:
     def _beat_loop(self) -> None:
         while not self._stop.wait(self._interval):
             self._beat()
+            # Orders are read here only, never in a beat the training thread sends (a
+            # phase change): arming a profile imports torch.profiler's modules.
+            self._read_orders()
 
     def _beat(self) -> None:
         with self._lock:
@@ -282,11 +285,10 @@ class Worker:
         if not self._send(msg) and records:
             with self._lock:  # keep them for the next beat
                 self._records[:0] = records
-        self._read_orders()
 
     def _read_orders(self) -> None:
         """Orders the agent wrote back on our socket (profile orders), without waiting: a
-        poll of the socket once a beat, on the beat thread."""
+        poll of the socket after each of the beat thread's beats."""
         with self._send_lock:
             sock = self._sock
             if sock is None:

@@ -97,7 +97,6 @@ def test_a_session_profiles_exactly_its_steps_and_writes_a_chrome_trace(tmp_path
     # One marker per step profiled, named with the training step's number.
     assert {n for n in names if str(n).startswith("ProfilerStep#")} == \
         {"ProfilerStep#4", "ProfilerStep#5"}
-    assert (trace.parent / "summary.txt").read_text().strip()
 
 
 def test_a_late_order_starts_at_the_next_step_and_says_so(tmp_path: Path) -> None:
