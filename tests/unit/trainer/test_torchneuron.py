@@ -176,6 +176,30 @@ def test_compile_uses_the_neuron_backend_on_neuron_only() -> None:
         assert tn.compile_kwargs(device) == {}
 
 
+@pytest.mark.parametrize("device_type", ["neuron", "cpu"])
+def test_blocks_and_the_loss_get_the_devices_compile_arguments(
+        monkeypatch: pytest.MonkeyPatch, device_type: str) -> None:
+    """What parallelize (per block) and the native step (the loss) hand torch.compile."""
+    from torch import nn
+
+    from trainer.backends.native import TorchStepper
+    from trainer.model import build_model
+    from trainer.parallel import apply_compile
+    from trainer.presets import PRESETS
+
+    calls: list[tuple[str, dict]] = []
+    monkeypatch.setattr(nn.Module, "compile",
+                        lambda self, **kw: calls.append((type(self).__name__, kw)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append((fn.__name__, kw)))
+    model = build_model(PRESETS["tiny"], device="meta")
+    apply_compile(model, device_type)
+    cfg = TrainerConfig.model_validate({"model": {"preset": "tiny"},
+                                        "parallelism": {"compile": True}})
+    TorchStepper(model, None, None, cfg, types.SimpleNamespace(type=device_type))
+    want = tn.compile_kwargs(device_type)
+    assert calls == [("TransformerBlock", want)] * len(model.layers) + [("lm_loss", want)]
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_blocks_and_loss_compile_as_one_graph_each(checkpointing: str) -> None:
     """fullgraph=True (AWS's recommendation for backend neuron) raises on a graph break: our
