@@ -23,10 +23,10 @@ import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from servers import free_port
 
 from orchestrator.config import ConfigError
 from orchestrator.config.loader import validate_data
-from servers import free_port
 from trainer.backends import backend_for
 from trainer.backends import torchneuron as tn
 from trainer.backends.native import NativeBackend
