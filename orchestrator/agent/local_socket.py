@@ -41,7 +41,7 @@ class BeatState:
     beat_ts: float | None = None
     progress: str | None = None  # "sdk" or "hook": who counts this rank's steps
     finished: bool = False  # the rank's last beat: it is tearing down
-    step_time: float | None = None  # mean of the rank's recent step intervals
+    step_time: float | None = None  # mean of the rank's recent own step times
     data_wait: float | None = None  # mean of its recent data waits (the ``data_s`` metric)
 
 
