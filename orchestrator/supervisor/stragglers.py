@@ -191,6 +191,7 @@ class StragglerWatch:
         if generation != self._generation:
             self._generation = generation
             self.detector.reset()
+            self._adopt_named(generation)
             self._next_check = now + self.cfg.check_every_s
             return []
         if self._next_check is None or now < self._next_check:
@@ -210,6 +211,16 @@ class StragglerWatch:
                 data_wait_s=_r(f.data_wait_s), peer_step_time_s=_r(f.peer_step_time_s),
                 peer_data_wait_s=_r(f.peer_data_wait_s))
         return changes
+
+    def _adopt_named(self, generation: int) -> None:
+        """Nodes the journal names for this generation (a restarted supervisor's
+        predecessor named them): still named here, so they can be cleared."""
+        for node_id, e in self.ctx.view.stragglers.items():
+            if e.get("generation") == generation:
+                self.detector.tracks[node_id] = _NodeTrack(named=Finding(
+                    node_id, tuple(e.get("ranks") or ()), e.get("excess_s") or 0.0,
+                    e.get("step_time_s") or 0.0, e.get("data_wait_s"),
+                    e.get("peer_step_time_s") or 0.0, e.get("peer_data_wait_s")))
 
     def exclude_at_restart(self, nodes: Any) -> list[str]:
         """With ``action: exclude``: move each named node still ACTIVE to EXCLUDED while a

@@ -226,6 +226,18 @@ def test_exclude_keeps_the_node_without_a_spare_and_record_never_excludes(
     assert r.nodes.nodes["n1"].state is NodeState.ACTIVE
 
 
+def test_a_restarted_supervisor_clears_what_its_predecessor_named(tmp_path: Path) -> None:
+    w = Watch(tmp_path)
+    w.run(14.0, {3: 0.3})
+    assert [e["action"] for e in w.events("straggler")] == ["named"]
+    w.ctx.recorder.journal.flush()
+    again = Watch(tmp_path)  # the same run directory: the view is folded from the journal
+    assert set(again.ctx.view.stragglers) == {"n1"}
+    again.run(14.0, {})
+    assert [e["action"] for e in again.events("straggler")] == ["named", "cleared"]
+    assert again.ctx.view.stragglers == {}
+
+
 def test_a_new_generation_forgets_the_last_ones_figures(tmp_path: Path) -> None:
     w = Watch(tmp_path)
     w.run(8.0, {3: 0.3})
