@@ -196,7 +196,8 @@ def deepspeed_child(args: argparse.Namespace, peak: float) -> dict[str, Any]:
 def deepspeed_part(args: argparse.Namespace, report: dict[str, Any]) -> None:
     results = []
     for name, _, _ in DEEPSPEED_RUNS:
-        cmd = [sys.executable, __file__, "--deepspeed-run", name, "--device", args.device,
+        cmd = [sys.executable, __file__, "--deepspeed-run", name, "--parts", "deepspeed",
+               "--device", args.device,
                "--data", args.data, "--preset", args.preset, "--seq", str(args.seq),
                "--warmup", str(args.warmup), "--offload-mbs", str(args.offload_mbs),
                "--offload-steps", str(args.offload_steps)]
