@@ -31,11 +31,14 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, device_type: str) -> None:
     # In place (Module.compile): torch.compile(block) would add "_orig_mod." to every
-    # state-dict key and break checkpoints made without compile.
+    # state-dict key and break checkpoints made without compile. The compiler backend is the
+    # device's (trainer.backends.torchneuron: "neuron" on Trainium's native device).
+    from trainer.backends.torchneuron import compile_kwargs
+
     for block in model.layers:
-        block.compile()
+        block.compile(**compile_kwargs(device_type))
 
 
 def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
@@ -97,7 +100,7 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
         raise ValueError("before_shard is for a model FSDP2 shards")
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile:
-        apply_compile(model)
+        apply_compile(model, dctx.device.type)
     offload = fsdp and par.offload == "params"
     # CPU offload: the shards live in host memory; the RoPE tables (buffers, not sharded)
     # stay on the compute device.
