@@ -131,10 +131,13 @@ def train(p: Parts) -> None:
             if p.dctx.is_main:
                 p.log(f"stopping after step {step}: the operator's stop asked for a checkpoint")
             break
-    # The last save and its upload: a phase of its own, so the hang timeout of a phase with
-    # no steps (checkpointing) applies, not the calibrated step interval.
-    with p.worker.phase("checkpointing"):
-        p.checkpointer.finish()
+    # Past the last step nothing returns to ``training``: the calibrated training timeout is
+    # a few step intervals, and what follows has no steps. The last save and its upload
+    # wait in ``checkpointing``; the digest, closing and the process-group teardown (which
+    # waits for every peer, rank 0 still committing included) run in ``finishing``.
+    p.worker.set_phase("checkpointing")
+    p.checkpointer.finish()
+    p.worker.set_phase("finishing")
     # Every rank reports its parameters' checksum: replicas (DDP) that disagree have drifted.
     digest = tensors_digest(p.stepper.local_tensors())
     p.log(f"final parameters: crc32 {digest['crc32']} over {digest['numel']} local values")

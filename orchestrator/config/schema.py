@@ -195,6 +195,9 @@ class PhaseTimeouts(Section):
     )
     checkpointing: float = Field(900, gt=0, description="The blocking part of a save.")
     evaluating: float = Field(1800, gt=0, description="An evaluation pass.")
+    finishing: float = Field(
+        300, gt=0, description="Past the last step: the final commit's wait, the parameter "
+        "digest, process-group teardown (every peer) and exit.")
 
 
 class TimeoutsConfig(Section):

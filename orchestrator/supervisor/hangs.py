@@ -129,9 +129,9 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
         return None
     limit = phase_timeout(cfg, rp.phase, training)
     if rp.finished:
-        # Past its last step and tearing down (process groups, interpreter exit): as slow
-        # as starting up on a busy host, so it gets the start-up timeout.
-        limit = max(limit, cfg.phases.init)
+        # Past its last step and tearing down (process groups, interpreter exit), whatever
+        # phase a script of its own last reported: the finishing phase's timeout.
+        limit = max(limit, cfg.phases.finishing)
     if rp.progress == "hook" and rp.step is None:
         # A script without the SDK before its first optimizer step (or one that never
         # steps one): no phase applies to it, only liveness; its beats stopping is the hang.
@@ -155,5 +155,5 @@ def collective_timeout_s(cfg: TimeoutsConfig, training: TrainingTimeout) -> floa
     """
     phases = cfg.phases
     longest = max(phases.init, phases.loading, phases.compiling, phases.checkpointing,
-                  phases.evaluating, training.value())
+                  phases.evaluating, phases.finishing, training.value())
     return longest + 60.0

@@ -27,7 +27,10 @@ from typing import Any
 
 from orchestrator import envcontract as ec
 
-PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating")
+# ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
+# calibrated training timeout, which is a few step intervals, never judges a rank there.
+PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating",
+          "finishing")
 
 # Step intervals kept to calibrate the hang timeout (largest recent interval).
 _INTERVAL_WINDOW = 50
@@ -123,7 +126,10 @@ class Worker:
         thread. Tearing down (process groups, interpreter exit) can take seconds on a busy
         host after the last step; ``finished`` tells the supervisor that this silence is
         not a hang."""
-        self._finished = True
+        with self._lock:
+            self._finished = True
+            if self._phase != "finishing":  # a script's own loop ends here: no steps follow
+                self._phase, self._phase_since = "finishing", self._clock()
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
