@@ -109,6 +109,8 @@ def train(p: Parts) -> None:
             # Where a (re)start's seconds went: process start, imports, process group,
             # build + restore, first step (the recovery benchmark reads this).
             p.worker.event("startup", first_step_done=time.time(), **p.startup)
+        if first:  # the optimizer's state exists now: the saves' staging can be allocated
+            p.checkpointer.prepare_staging(p.checkpoint_state)
         first = False
         step = p.progress.step
         stop = _stop_requested(p)
