@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,8 +53,10 @@ TARGET_SAVE_BLOCK_S = 0.2
 # Profiles: a config, its overrides, the injection steps. ``cpu`` is the embedded default
 # (2 simulated nodes x 1 rank, gloo); ``h200x2`` is 1 node x 2 GPUs over NCCL with the 1.14B
 # model compiled at micro-batch 8 (~0.2 s steps), sized so both jobs end within 8 minutes
-# (compile included): saves every 100 steps (13.6 GB a save, tens of seconds to disk), the
-# kill after a save has committed, the hang three hundred steps later.
+# (compile included): saves every 150 steps (13.6 GB a save: ~30 s of steps for it to be
+# written and committed before the next, so no save's blocking time includes waiting for
+# the one before), the kill after the first save has committed, the hang mid-interval; the
+# fault-free run's only save is its final one (a generation's first).
 PROFILES: dict[str, dict[str, Any]] = {
     "cpu": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
         "trainer.steps=200", "timeouts.training_floor_s=2",
@@ -62,13 +66,14 @@ PROFILES: dict[str, dict[str, Any]] = {
     "cpu-old": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
         "trainer.steps=200", "timeouts.training_floor_s=2", "restart.backoff_initial_s=0.5",
         "job.warm_start=false"]},
-    "h200x2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 250, "stop_step": 450,
-               "free_steps": 120, "sets": [
-                   "cluster.procs_per_node=2", "trainer.steps=560",
+    "h200x2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 250, "stop_step": 400,
+               "free_steps": 100, "sets": [
+                   "cluster.procs_per_node=2", "trainer.steps=500",
                    "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=true",
-                   "checkpoint.interval_steps=100", "checkpoint.keep_last=2",
+                   "checkpoint.interval_steps=150", "checkpoint.keep_last=2",
                    "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
-                   "timeouts.training_multiplier=3", "job.warm_start=true"]},
+                   "timeouts.training_multiplier=3", "job.warm_start=true",
+                   "health.preflight=quick"]},
 }
 
 
@@ -140,6 +145,23 @@ def median_step(run: Path) -> float | None:
     return round(times[len(times) // 2], 4) if times else None
 
 
+def _kill_run(proc: subprocess.Popen, run: Path) -> None:
+    """The job's process group, then every agent and rank its journal names (agents run in
+    sessions of their own)."""
+    pids = [proc.pid]
+    if (run / "events.jsonl").exists():
+        for e in _events(run):
+            if e["kind"] == "agent_spawned":
+                pids.append(e["pid"])
+            elif e["kind"] == "ranks_started":
+                pids += [r["pid"] for r in e["ranks"] if r.get("pid")]
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def run_job(config: str | None, sets: list[str], timeout: float) -> tuple[Path, float]:
     run = Path(tempfile.mkdtemp(prefix="bench-recover-")) / "run"
     cmd = [sys.executable, "-m", "orchestrator", "up", "--run-dir", str(run)]
@@ -147,11 +169,19 @@ def run_job(config: str | None, sets: list[str], timeout: float) -> tuple[Path, 
     for s in sets:
         cmd += ["--set", s]
     t0 = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        _kill_run(proc, run)
+        out, _ = proc.communicate()
+        print(out[-4000:])
+        raise SystemExit(f"orchestrator up cut after {timeout:.0f} s: {' '.join(cmd)}")
     wall = time.monotonic() - t0
-    if out.returncode != 0:
-        print(out.stdout[-4000:], out.stderr[-4000:])
-        raise SystemExit(f"orchestrator up failed ({out.returncode}): {' '.join(cmd)}")
+    if proc.returncode != 0:
+        print(out[-4000:])
+        raise SystemExit(f"orchestrator up failed ({proc.returncode}): {' '.join(cmd)}")
     return run, wall
 
 
@@ -209,6 +239,8 @@ def main() -> int:
     ap.add_argument("--free-steps", type=int, default=None,
                     help="steps of the fault-free run (0: skip it)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for both jobs together (a job is cut when it is spent)")
     ap.add_argument("--device", default=None, help="device name for the report")
     ap.add_argument("--out", default="recovery-cpu.json")
     args = ap.parse_args()
@@ -219,8 +251,14 @@ def main() -> int:
     stop = args.stop_step if args.stop_step is not None else profile["stop_step"]
     free_steps = args.free_steps if args.free_steps is not None else profile["free_steps"]
     t0 = time.monotonic()
-    free = fault_free(config, sets, free_steps, args.timeout) if free_steps else None
-    faults = with_faults(config, sets, kill, stop, args.timeout)
+
+    def limit() -> float:
+        if args.budget is None:
+            return args.timeout
+        return min(args.timeout, args.budget - (time.monotonic() - t0))
+
+    free = fault_free(config, sets, free_steps, limit()) if free_steps else None
+    faults = with_faults(config, sets, kill, stop, limit())
     report = {**header(args.device), "profile": args.profile,
               "config": config or "configs/local.yaml", "overrides": sets,
               "kill_step": kill, "stop_step": stop,

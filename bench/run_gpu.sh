@@ -2,6 +2,7 @@
 # Runs the GPU benchmarks and tests on a lent GPU machine (no network there: the Python
 # packages the GPU image lacks travel as wheels in .whl/). Part A: GPU tests + throughput/MFU.
 # B: checkpoint stall. C: time to recover under `orchestrator up`. D: accelerator health checks.
+# F (2 GPUs, issue 14): recovery, hang detection, every save's stall, a clean fault-free end.
 #   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D
 # (results under bench/results/, copied to $OUT when set)
 set -uo pipefail
@@ -50,6 +51,14 @@ elif [ "$part" = E ]; then
     --set restart.backoff_initial_s=0.5 --kill-step 290 --stop-step 390 \
     --out recovery-warm-h100.json 2>&1 | tail -45
   cp bench/results/recovery-warm-h100.json "$out/" 2>/dev/null
+elif [ "$part" = F ]; then
+  # 1 node x 2 GPUs over NCCL, the 1.14B model compiled at micro-batch 8: a fault-free run
+  # (no failure in its journal; its only save is a generation's first) and a run with a
+  # SIGKILL and a SIGSTOP, each recovery broken down; issue 14's targets judged in the JSON.
+  # Both jobs within 8 minutes (--budget: the second is cut when 470 s are spent).
+  python3 bench/recovery.py --profile h200x2 --device "$(nvidia-smi --query-gpu=name \
+    --format=csv,noheader | head -1) x2" --budget 470 --out recovery-h200x2.json 2>&1 | tail -70
+  cp bench/results/recovery-h200x2.json "$out/" 2>/dev/null
 else
   python3 bench/gpu_health.py 2>&1 | tail -10
   cp bench/results/health-*.json "$out/" 2>/dev/null

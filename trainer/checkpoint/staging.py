@@ -78,7 +78,11 @@ class StagingBuffers:
                 with torch.cuda.stream(torch.cuda.Stream(self.device)):
                     self._buffers = _create_cpu_state_dict(template, pin_memory=True)
             else:
-                self._buffers = _create_cpu_state_dict(template)
+                buffers = _create_cpu_state_dict(template)
+                # torch.empty only reserves the memory: its pages would be faulted in by
+                # the first save's copy (seconds for GBs on a busy host). Touch them here.
+                _touch(buffers)
+                self._buffers = buffers
         except Exception as exc:  # noqa: BLE001 - reported at take(); saves allocate then
             self._error = exc
         self.prepare_s = time.perf_counter() - t0
@@ -103,3 +107,17 @@ class StagingBuffers:
                      "changed): the save allocates them")
             return None
         return buffers
+
+
+def _touch(obj: Any) -> None:
+    """Write every buffer once (zeros), so its pages exist before a save copies into it."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _touch(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _touch(v)
+    elif isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", obj)  # a DTensor's own shard
+        if local.numel():
+            local.zero_()
