@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-
+from orchestrator import chaos
 from orchestrator.worker import Worker, WorkerContext
 from trainer.backends import Backend, backend_for
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -151,9 +151,9 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
             worker.event("resumed", step=progress.step, path=checkpointer.restored_url,
                          load_s=round(load_s, 6), tier=restored.tier if restored else None,
                          fetched_from=restored.fetched_from if restored else None)
-    chaos = ctx.chaos
-    return Parts(cfg, dctx, stepper, scheduler, loader, progress, checkpointer, state,
-                 worker, settings.checkpoint.interval_steps, log, guard,
-                 set(chaos.get("poison_batches") or []),
-                 float(chaos.get("slow_checkpoint_s") or 0.0),
-                 float(chaos.get("slow_first_step_s") or 0.0))
+    # Fault injection wraps the parts the loop drives (the state above keeps the real ones).
+    plan = ctx.chaos
+    return Parts(cfg, dctx, chaos.wrap_stepper(stepper, plan, dctx.rank), scheduler,
+                 chaos.wrap_loader(loader, plan), progress,
+                 chaos.wrap_checkpointer(checkpointer, plan), state,
+                 worker, settings.checkpoint.interval_steps, log, guard)
