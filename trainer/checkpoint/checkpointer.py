@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from trainer.checkpoint import layout, signing
-from trainer.checkpoint.staging import StagingBuffers
+from trainer.checkpoint.staging import StagingBuffers, StagingWriter
 from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint, trust_refusals
 from trainer.checkpoint.upload import Uploader
 from trainer.config import CheckpointConfig
@@ -166,7 +166,7 @@ class Checkpointer:
         return self.restored.url if self.restored is not None else None
 
     # -- saving ----------------------------------------------------------------------------
-    def _writer(self, url: str, state: dict[str, Any]) -> tuple[Any, str | None]:
+    def _writer(self, url: str) -> tuple[Any, str | None]:
         """The storage writer for ``url``, and the checkpoint id to hand DCP with it."""
         if layout.is_remote(url):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -174,7 +174,7 @@ class Checkpointer:
             return FsspecWriter(url, sync_files=False), None
         path = layout.filesystem(url)[1]
         if self._staging_writer is None:
-            buffers = self.staging.take(state) if self.staging is not None else None
+            buffers = self.staging.take() if self.staging is not None else None
             if self.device_type != "cuda" and buffers is None:
                 # Pinning needs an accelerator: with no buffers of its own, a CPU save
                 # stages into a fresh plain copy each time.
@@ -184,10 +184,9 @@ class Checkpointer:
             # blocking part of a save is a device-to-host copy (0.28 s for a 13.65 GB state
             # on an H100, against 11.8 s with a fresh stager each save). Buffers allocated
             # ahead spare the first save the allocation too.
-            self._staging_writer = dcp.FileSystemWriter(
-                path, cache_staged_state_dict=True, thread_count=self.cfg.write_threads)
-            if buffers is not None:
-                self._staging_writer.state_dict_cache = buffers
+            self._staging_writer = StagingWriter(
+                path, buffers=buffers, pinned=self.device_type == "cuda", log=self.log,
+                thread_count=self.cfg.write_threads)
         return self._staging_writer, path
 
     def prepare_staging(self, state: dict[str, Any]) -> None:
@@ -209,7 +208,7 @@ class Checkpointer:
             layout.remove(url, self.store.primary.fs)
         if self.group is not None:
             dist.barrier(group=self.group)
-        writer, checkpoint_id = self._writer(url, state)
+        writer, checkpoint_id = self._writer(url)
         if self.cfg.async_save:
             future = dcp.async_save(state, checkpoint_id=checkpoint_id, storage_writer=writer,
                                     process_group=self.group)

@@ -10,9 +10,10 @@ page-faulted) a fresh copy.
 ``StagingBuffers`` allocates the same buffers (DCP's own ``_create_cpu_state_dict``, so their
 layout is exactly what the writer would build) in a background thread once a generation has
 taken its first step (the optimizer's state exists then, so the state's structure is final),
-and hands them to the writer at the first save. The first save then blocks for a copy, as
-every later one does. Should the buffers not match the state at that save, or their
-allocation fail, they are dropped with a log line and the writer allocates as before.
+and hands them to the writer (``StagingWriter``) at the first save. The first save then
+blocks for a copy, as every later one does. Should the buffers not fit the state at a save
+(checked on the state dict the save stages anyway: no second ``state_dict()`` call), or
+their allocation fail, they are dropped with a log line and the writer allocates as before.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 
@@ -87,9 +89,9 @@ class StagingBuffers:
             self._error = exc
         self.prepare_s = time.perf_counter() - t0
 
-    def take(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """The buffers, once allocated, if they fit ``state`` (same keys, shapes, dtypes);
-        None (with a log line) otherwise. Waits for a background allocation still running."""
+    def take(self) -> dict[str, Any] | None:
+        """The buffers, once allocated (None, with a log line, if that failed). Waits for a
+        background allocation still running."""
         if self._thread is None:
             return None
         t0 = time.perf_counter()
@@ -100,13 +102,32 @@ class StagingBuffers:
             self.log(f"staging buffers could not be allocated ahead ({self._error}): the "
                      "save allocates them")
             return None
-        from torch.distributed._state_dict_utils import _check_state_dict_similarity
-
-        if not _check_state_dict_similarity(plain_state(state), buffers):
-            self.log("staging buffers allocated ahead no longer fit the state (shapes "
-                     "changed): the save allocates them")
-            return None
         return buffers
+
+
+class StagingWriter(dcp.FileSystemWriter):
+    """DCP's filesystem writer keeping its staging buffers across saves (given ones, or its
+    own pinned ones made by its first save on CUDA), checked against the state dict each
+    save stages: buffers that no longer fit are dropped, never copied into."""
+
+    def __init__(self, path: str, *, buffers: dict[str, Any] | None, pinned: bool,
+                 log: Callable[[str], None], thread_count: int) -> None:
+        super().__init__(path, cache_staged_state_dict=True, thread_count=thread_count)
+        self.state_dict_cache = buffers
+        self._pinned = pinned
+        self._log = log
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        cache = self.state_dict_cache
+        if cache is not None and not fits(state_dict, cache):
+            self._log("staging buffers no longer fit the state (its keys or shapes changed): "
+                      "allocated again")
+            self.state_dict_cache = cache = None
+        if cache is None and not self._pinned:
+            # DCP's kept buffers are pinned, which needs an accelerator: plain copies each
+            # save from now on, as a CPU save made before buffers were kept.
+            self.cache_staged_state_dict = False
+        return super().stage(state_dict)
 
 
 def _touch(obj: Any) -> None:
@@ -121,3 +142,21 @@ def _touch(obj: Any) -> None:
         local = getattr(obj, "_local_tensor", obj)  # a DTensor's own shard
         if local.numel():
             local.zero_()
+
+
+def fits(state: Any, buffers: Any) -> bool:
+    """Whether ``buffers`` can take a copy of ``state``: the same keys and list lengths, and
+    for every tensor (a DTensor's own shard) the same shape and dtype. Reads metadata only.
+    (torch's ``_check_state_dict_similarity`` copies every tensor while it compares.)"""
+    if isinstance(state, dict):
+        return isinstance(buffers, dict) and state.keys() == buffers.keys() and all(
+            fits(v, buffers[k]) for k, v in state.items())
+    if isinstance(state, list | tuple):
+        return isinstance(buffers, list | tuple) and len(state) == len(buffers) and all(
+            fits(a, b) for a, b in zip(state, buffers, strict=True))
+    if isinstance(state, torch.Tensor):
+        if not isinstance(buffers, torch.Tensor):
+            return False
+        a, b = getattr(state, "_local_tensor", state), getattr(buffers, "_local_tensor", buffers)
+        return a.shape == b.shape and a.dtype == b.dtype
+    return not isinstance(buffers, torch.Tensor | dict | list | tuple)

@@ -11,11 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.retry import retrying
+from trainer.checkpoint.staging import fits
 from trainer.checkpoint.store import open_store
 from trainer.config import CheckpointConfig
 from trainer.model import build_model
@@ -92,13 +95,16 @@ def test_buffers_that_no_longer_fit_the_state_are_dropped_and_the_save_still_wor
     t.step()
     t.ckpt.prepare_staging(t.state)
     t.state["extra"] = {"w": torch.zeros(3)}  # the state grew after the allocation
-    t.ckpt.save(1, t.state, 0)
-    t.ckpt.wait()
-    assert any("no longer fit" in line for line in t.logs)
-    assert t.ckpt._staging_writer is None  # noqa: SLF001 - a fresh copy per save, as before
-    want = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
-    got = t.saved_params(1)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    for step in (1, 2):
+        t.ckpt.save(step, t.state, 0)
+        want = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+        t.ckpt.wait()
+        got = t.saved_params(step)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        t.step()
+    assert [line for line in t.logs if "no longer fit" in line] != []
+    writer = t.ckpt._staging_writer  # noqa: SLF001
+    assert writer.state_dict_cache is None and not writer.cache_staged_state_dict
 
 
 def test_stage_ahead_off_and_synchronous_saves_allocate_nothing_ahead(
@@ -111,3 +117,51 @@ def test_stage_ahead_off_and_synchronous_saves_allocate_nothing_ahead(
     sync.step()
     sync.ckpt.prepare_staging(sync.state)
     assert sync.ckpt.staging is not None and not sync.ckpt.staging.started
+
+
+FITS_CASES = 150
+_shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+_leaf = st.one_of(st.integers(), st.text(max_size=5), st.none(),
+                  st.tuples(_shapes, st.sampled_from([torch.float32, torch.bfloat16]))
+                  .map(lambda t: torch.zeros(t[0], dtype=t[1])))
+_trees = st.recursive(_leaf, lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=3), kids, max_size=3)),
+    max_leaves=12)
+
+
+def _like(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _like(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_like(v) for v in tree]
+    return torch.empty_like(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def _tensors(tree: Any) -> int:
+    if isinstance(tree, dict):
+        return sum(_tensors(v) for v in tree.values())
+    if isinstance(tree, list):
+        return sum(_tensors(v) for v in tree)
+    return isinstance(tree, torch.Tensor)
+
+
+@settings(max_examples=FITS_CASES, deadline=None)
+@given(tree=_trees)
+def test_buffers_fit_a_state_of_their_own_shape_and_nothing_else(tree: Any) -> None:
+    """Buffers made like a state fit it; a changed shape, dtype, key or length does not;
+    checking copies nothing into them."""
+    buffers = _like(tree)
+    assert fits(tree, buffers)
+    wrapped = {"a": tree}
+    assert not fits({"a": tree, "b": 1}, {"a": buffers})  # a key more
+    assert not fits([tree, tree], [buffers])  # a list longer
+    if _tensors(tree):
+        def grow(t: Any) -> Any:  # every tensor one element longer in a new leading dim
+            if isinstance(t, dict):
+                return {k: grow(v) for k, v in t.items()}
+            if isinstance(t, list):
+                return [grow(v) for v in t]
+            return torch.zeros((1, *t.shape), dtype=t.dtype) if isinstance(t, torch.Tensor) \
+                else t
+        assert not fits(grow(tree), buffers)
+    assert fits(wrapped, {"a": buffers})
