@@ -55,8 +55,9 @@ TARGET_SAVE_BLOCK_S = 0.2
 # model compiled at micro-batch 8 (~0.2 s steps), sized so both jobs end within 8 minutes
 # (compile included): saves every 150 steps (13.6 GB a save: ~30 s of steps for it to be
 # written and committed before the next, so no save's blocking time includes waiting for
-# the one before), the kill after the first save has committed, the hang mid-interval; the
-# fault-free run's only save is its final one (a generation's first).
+# the one before; the final save at 560 comes 110 steps after the one at 450), the kill after
+# the first save has committed, the hang mid-interval; the fault-free run's only save is its
+# final one (a generation's first).
 PROFILES: dict[str, dict[str, Any]] = {
     "cpu": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
         "trainer.steps=200", "timeouts.training_floor_s=2",
@@ -68,7 +69,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "job.warm_start=false"]},
     "h200x2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 250, "stop_step": 400,
                "free_steps": 100, "sets": [
-                   "cluster.procs_per_node=2", "trainer.steps=500",
+                   "cluster.procs_per_node=2", "trainer.steps=560",
                    "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=true",
                    "checkpoint.interval_steps=150", "checkpoint.keep_last=2",
                    "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
