@@ -436,4 +436,19 @@ class Config(Section):
             raise FieldError(
                 "trainer.parallelism.backend", "nccl needs cluster.accelerator: cuda"
             )
+        if self.trainer.device == "neuron":
+            self._check_torchneuron()
         return self
+
+    def _check_torchneuron(self) -> None:
+        """TorchNeuron ranks on nodes the Neuron health checks examine, without the torch-xla
+        settings of a configuration written for the NxD backend."""
+        if self.cluster.accelerator != "neuron":
+            raise FieldError("cluster.accelerator", "trainer.device neuron needs "
+                                                    "cluster.accelerator: neuron (the Neuron "
+                                                    "health checks run on those nodes)")
+        xla = sorted(k for k in self.job.env if k.startswith("XLA_") or k == "PJRT_DEVICE")
+        if xla:
+            raise FieldError("job.env", f"{', '.join(xla)} configure torch-xla, which "
+                                        "TorchNeuron (trainer.device: neuron) does not use; "
+                                        "they belong to the NxD backend (trainer.device: xla)")
