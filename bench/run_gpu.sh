@@ -4,7 +4,8 @@
 # B: checkpoint stall. C: time to recover under `orchestrator up`. D: accelerator health checks.
 # F: FP8 vs bf16 loss curves. G: DeepSpeed ZeRO-Offload (issue 18). P: profiling on demand
 # (issue 19: overhead, trace size).
-#   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D|E|F|G|P
+# H (2 GPUs, issue 14): recovery, hang detection, every save's stall, a clean fault-free end.
+#   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D|E|F|G|H|P
 # (results under bench/results/, copied to $OUT when set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +71,14 @@ elif [ "$part" = G ]; then
   python3 bench/offload_fp8_gpu.py --parts deepspeed \
     --out offload-deepspeed-gpu-h100.json 2>&1 | tail -8
   cp bench/results/offload-deepspeed-gpu-h100.json "$out/" 2>/dev/null
+elif [ "$part" = H ]; then
+  # 1 node x 2 GPUs over NCCL, the 1.14B model compiled at micro-batch 8: a fault-free run
+  # (no failure in its journal; its only save is a generation's first) and a run with a
+  # SIGKILL and a SIGSTOP, each recovery broken down; issue 14's targets judged in the JSON.
+  # Both jobs within 8 minutes (--budget: the second is cut when 470 s are spent).
+  python3 bench/recovery.py --profile h200x2 --device "$(nvidia-smi --query-gpu=name \
+    --format=csv,noheader | head -1) x2" --budget 470 --out recovery-h200x2.json 2>&1 | tail -70
+  cp bench/results/recovery-h200x2.json "$out/" 2>/dev/null
 else
   python3 bench/gpu_health.py 2>&1 | tail -10
   cp bench/results/health-*.json "$out/" 2>/dev/null

@@ -301,6 +301,7 @@ class Calibration(Event):
     kind: Literal["calibration"] = "calibration"
     max_interval_s: Seconds | None = None
     training_timeout_s: Seconds
+    intervals: Count | None = None  # step intervals measured (the floor comes down after N)
 
 
 class Chaos(_OpenEvent):

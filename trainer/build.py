@@ -153,5 +153,5 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     plan = ctx.chaos
     return Parts(cfg, dctx, chaos.wrap_stepper(stepper, plan, dctx.rank), scheduler,
                  chaos.wrap_loader(loader, plan), progress,
-                 chaos.wrap_checkpointer(checkpointer, plan), state,
+                 chaos.wrap_checkpointer(checkpointer, plan, dctx.rank), state,
                  worker, settings.checkpoint.interval_steps, log, guard)

@@ -567,6 +567,12 @@ class CheckpointConfig(_Section):
         True, description="Asynchronous saves: the step waits only for staging (DCP, NxD). "
                           "DeepSpeed's saves are always synchronous."
     )
+    stage_ahead: bool = Field(
+        True, description="Allocate the async save's staging buffers (pinned host memory on "
+                          "CUDA) in the background after each generation's first step and "
+                          "keep them, so no save, a generation's first included, blocks for "
+                          "the allocation. Costs one host copy of the rank's state. False: "
+                          "allocated by the first save (CUDA) or by every save (CPU).")
     write_threads: int = Field(
         4, ge=1, le=64,
         description="Threads each rank writes its DCP files with (one file per thread); "

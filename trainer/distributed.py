@@ -134,6 +134,14 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(dctx: DistContext | None = None) -> None:
+    """Destroy the process groups; with ``dctx`` (a run that completed), first wait for
+    every rank on the control group. NCCL's teardown waits for every peer anyway; the
+    barrier makes every backend end the same way (a CPU run shows a GPU run's end), and
+    rank 0, which hosts the rendezvous store and commits the final checkpoint, is the
+    last to leave, not one its peers' teardown may still need."""
+    if not dist.is_initialized():
+        return
+    if dctx is not None and dctx.control_group is not None:
+        dist.barrier(group=dctx.control_group)
+    dist.destroy_process_group()

@@ -116,6 +116,8 @@ def _train(p: Parts) -> None:
             # Where a (re)start's seconds went: process start, imports, process group,
             # build + restore, first step (the recovery benchmark reads this).
             p.worker.event("startup", first_step_done=time.time(), **p.startup)
+        if first:  # the optimizer's state exists now: the saves' staging can be allocated
+            p.checkpointer.prepare_staging(p.checkpoint_state)
         first = False
         step = p.progress.step
         stop = _stop_requested(p)
@@ -136,10 +138,13 @@ def _train(p: Parts) -> None:
             if p.dctx.is_main:
                 p.log(f"stopping after step {step}: the operator's stop asked for a checkpoint")
             break
-    # The last save and its upload: a phase of its own, so the hang timeout of a phase with
-    # no steps (checkpointing) applies, not the calibrated step interval.
-    with p.worker.phase("checkpointing"):
-        p.checkpointer.finish()
+    # Past the last step nothing returns to ``training``: the calibrated training timeout is
+    # a few step intervals, and what follows has no steps. The last save and its upload
+    # wait in ``checkpointing``; the digest, closing and the process-group teardown (which
+    # waits for every peer, rank 0 still committing included) run in ``finishing``.
+    p.worker.set_phase("checkpointing")
+    p.checkpointer.finish()
+    p.worker.set_phase("finishing")
     # Every rank reports its parameters' checksum: replicas (DDP) that disagree have drifted.
     digest = tensors_digest(p.stepper.local_tensors())
     p.log(f"final parameters: crc32 {digest['crc32']} over {digest['numel']} local values")

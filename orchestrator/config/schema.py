@@ -196,6 +196,9 @@ class PhaseTimeouts(Section):
     )
     checkpointing: float = Field(900, gt=0, description="The blocking part of a save.")
     evaluating: float = Field(1800, gt=0, description="An evaluation pass.")
+    finishing: float = Field(
+        300, gt=0, description="Past the last step: the final commit's wait, the parameter "
+        "digest, process-group teardown (every peer) and exit.")
 
 
 class TimeoutsConfig(Section):
@@ -222,12 +225,26 @@ class TimeoutsConfig(Section):
     training_multiplier: float = Field(
         5.0, gt=1, description="Calibrated training timeout = multiplier x largest recent step."
     )
+    training_floor_calibrated_s: float | None = Field(
+        None, gt=0, description="Once calibration_steps step intervals are measured, the "
+        "training timeout's floor comes down from training_floor_s to this (about a second "
+        "finds a hang of a fast-stepping GPU job within 3 step intervals + 2 s); null: the "
+        "floor stays where it is (a noisy shared CPU host)."
+    )
+    calibration_steps: int = Field(
+        20, ge=1, description="Step intervals measured before the floor comes down.")
     stack_dump_wait_s: float = Field(
         3.0, ge=0, description="On a hang, wait this long for every rank's stack dump."
     )
 
     @model_validator(mode="after")
     def _check(self) -> TimeoutsConfig:
+        low = self.training_floor_calibrated_s
+        if low is not None and low > self.training_floor_s:
+            raise FieldError(
+                "training_floor_calibrated_s",
+                f"training_floor_calibrated_s ({low}) is where the floor comes down to: "
+                f"at most training_floor_s ({self.training_floor_s})")
         if self.node_lost_s <= 2 * self.heartbeat_interval_s:
             raise FieldError(
                 "node_lost_s",
@@ -247,6 +264,10 @@ class RestartConfig(Section):
     backoff_initial_s: float = Field(1.0, ge=0, description="First restart delay.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest restart delay.")
     backoff_multiplier: float = Field(2.0, ge=1, description="Delay growth per restart.")
+    backoff_window_s: float = Field(
+        600.0, ge=0, description="A failure with no other failure in the window this long "
+        "before it restarts at once (no backoff: a job that fails once an hour should not "
+        "wait); later ones in the window back off from backoff_initial_s. 0: always back off.")
     node_failure_limit: int = Field(
         2, gt=0, description="A node blamed for this many failures in the window is excluded "
                              "(when a spare can take its place).")

@@ -83,7 +83,8 @@ class Intake:
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
         self.running_since: float | None = None
         self.training_timeout = TrainingTimeout(
-            ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"))
+            ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"),
+            ctx.view.calibration.get("intervals") or 0)
 
     # -- messages from agents (called by the API server) ------------------------------------
     def on_register(self, req: RegisterRequest) -> RegisterResponse:
@@ -371,7 +372,8 @@ class Intake:
         if self.training_timeout.needs_journal():
             self.ctx.record(ev.Calibration(
                 max_interval_s=self.training_timeout.max_interval,
-                training_timeout_s=round(self.training_timeout.value(), 3)))
+                training_timeout_s=round(self.training_timeout.value(), 3),
+                intervals=self.training_timeout.intervals))
         if self.ctx.view.state is JobState.RUNNING and self.running_since is None:
             self.running_since = self.ctx.clock.monotonic()
         self.stragglers.tick(generation)

@@ -32,7 +32,10 @@ from orchestrator import envcontract as ec
 from orchestrator.chaos import ChaosPlan
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession, warm_up
 
-PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating")
+# ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
+# calibrated training timeout, which is a few step intervals, never judges a rank there.
+PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating",
+          "finishing")
 
 # Step intervals kept to calibrate the hang timeout (largest recent interval).
 _INTERVAL_WINDOW = 50
@@ -139,7 +142,10 @@ class Worker:
         thread. Tearing down (process groups, interpreter exit) can take seconds on a busy
         host after the last step; ``finished`` tells the supervisor that this silence is
         not a hang."""
-        self._finished = True
+        with self._lock:
+            self._finished = True
+            if self._phase != "finishing":  # a script's own loop ends here: no steps follow
+                self._phase, self._phase_since = "finishing", self._clock()
         session = self._profile
         if session is not None:
             session.abandon()
