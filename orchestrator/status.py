@@ -106,6 +106,8 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
         "goodput": books["goodput"],
         "books": books,
         "stability": stability_status(view, run),
+        "memory_tier": view.memory_tier,
+        "restore_tiers": view.restore_tiers,
     }
 
 

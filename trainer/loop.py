@@ -44,6 +44,8 @@ class Parts:
     slow_checkpoint_s: float = 0.0  # chaos: extra blocking time per save
     slow_first_step_s: float = 0.0  # chaos: extra time in each generation's first step
     startup: dict[str, float | None] | None = None  # wall times of start-up milestones
+    memory: Any = None  # trainer.checkpoint.memory.MemoryTier when the memory tier is on
+    memory_interval: int = 0
 
     @property
     def model(self) -> nn.Module:
@@ -118,6 +120,14 @@ def train(p: Parts) -> None:
                     time.sleep(p.slow_checkpoint_s)
                 rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
                                                           p.progress.tokens)
+        if p.memory is not None and (step % p.memory_interval == 0 or stop):
+            with p.worker.phase("checkpointing"):
+                rec["mem_block_s"] = p.memory.save(step, p.progress.tokens,
+                                                   p.checkpoint_state)
+            # The books count both as the save's blocking time.
+            rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
+            if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds
+                p.worker.event("memory_tier", **p.memory.report())
         p.checkpointer.poll()
         p.worker.step_done(step, **rec)
         if p.dctx.is_main and (step % cfg.log_every == 0 or step == cfg.steps or step == 1):

@@ -209,6 +209,16 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
             t.add_row(str(c["step"]), c["tier"], _fmt_s(time.time() - (c["ts"] or time.time())),
                       "\n".join(str(p) for p in c["paths"].values()))
         parts.append(t)
+    memory = status.get("memory_tier")
+    if memory:
+        restores = status.get("restore_tiers") or []
+        last = f"; last restore: {restores[-1]['tier']} ({restores[-1]['reason']})" \
+            if restores else ""
+        parts.append(Text(
+            f"memory tier: step {memory['step']}, {memory['bytes'] / 2**20:.1f} MiB a rank, "
+            f"{memory['node_bytes'] / 2**20:.1f} of {memory['node_budget_bytes'] / 2**20:.1f}"
+            f" MiB on rank 0's node{' (+ partner copies)' if memory['partner'] else ''}"
+            + last))
     if not compact:
         parts.append(books_table(status["books"]))
     t = Table(title="nodes", title_justify="left")

@@ -337,6 +337,10 @@ class Intake:
                 self.ctx.record(event)
                 self.ctx.log.warning("chaos: rank signalled itself", rank=msg.rank,
                                      signal=event.signal, step=event.step)
+            elif msg.name == "restore_tier":
+                self.ctx.record(ev.RestoreTier(node_id=node_id, **data, **where))
+            elif msg.name == "memory_tier":
+                self.ctx.record(ev.MemoryTier(node_id=node_id, **data, **where))
             elif msg.name in _PLAIN_WORKER_EVENTS:
                 self.ctx.record(ev.WorkerNote(kind=msg.name, node_id=node_id, **data, **where))
             else:

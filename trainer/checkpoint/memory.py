@@ -1,0 +1,548 @@
+"""The memory tier: each rank's newest state in its node's shared memory, and its partner's.
+
+The node agent creates the slot files in a directory of its own (``/dev/shm``), sized by
+``checkpoint.memory_max_bytes``, and removes them when it exits (``orchestrator.agent
+.memory``); they outlive the worker processes, not the agent. A rank maps its slots; the
+format and the manifest are ``memory_format``'s.
+
+**Saving** (``save``, every ``checkpoint.memory_interval_steps`` steps, on the training
+thread): the manifest of the older of the rank's two slots is removed, the state's tensors
+are copied into that slot (device-to-host on a GPU) and hashed as they land, then the signed
+manifest is renamed into place: the commit. With a partner, each rank then sends its slot
+(bytes and manifest) to the rank at the same local index on the next node over a gloo
+group and receives the previous node's: that copy is committed the same way in a
+``partner`` slot. GEMINI's placement (a ring over nodes, one replica each): one node lost
+loses no state, memory per node is twice a rank's state, and the exchange is one
+send/receive pair per rank, not a collective that grows with the world.
+
+**Restoring** (``plan``, then ``load``): every rank lists the committed copies it holds,
+its own and its partner's; the ranks all-gather that and each takes the same decision: the
+newest step that every rank can restore (from its own copy or from its partner's holder)
+and that is at least as new as the durable tier's newest checkpoint and within the
+restart's ``max_step``. Each rank then verifies its copy (signature, job, world layout,
+digest), a holder verifies and sends the copy of a rank that lost its node, and the ranks
+agree (all-reduce) that every copy verified: else the restore takes the durable tier, with
+the reason. ``load`` copies each tensor segment straight into the tensor at the same place
+of the fresh state dict and hands the filled state to each part's ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import memory_format as mf
+from trainer.checkpoint import signing
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A committed copy in one of this rank's slots (not yet digest-verified)."""
+
+    kind: str  # own | partner
+    slot: str
+    manifest: mf.MemoryManifest
+
+
+@dataclass
+class Plan:
+    """The collective decision of a restore (the same on every rank)."""
+
+    use: bool
+    step: int | None
+    reason: str
+    partner_ranks: list[int] = field(default_factory=list)  # ranks restored from a partner
+    data: memoryview | None = None  # this rank's verified bytes (use only)
+    manifest: mf.MemoryManifest | None = None
+    verify_s: float = 0.0
+    durable_step: int | None = None  # the durable tier's newest committed step
+
+
+class Slots:
+    """One rank's view of its node's memory directory: map, read and commit slots."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def path(self, kind: str, rank: int, slot: str, ext: str) -> Path:
+        return self.root / mf.slot_name(kind, rank, slot, ext)
+
+    def map(self, kind: str, rank: int, slot: str) -> mmap.mmap | None:
+        """The slot's bytes, mapped shared (None: the agent made no such slot)."""
+        name = mf.slot_name(kind, rank, slot, "bin")
+        if name not in self._maps:
+            try:
+                fd = os.open(self.root / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                return None
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    return None
+                self._maps[name] = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        return self._maps[name]
+
+    def read_manifest(self, kind: str, rank: int, slot: str) -> mf.MemoryManifest | str:
+        """The slot's parsed manifest, or why there is none usable."""
+        path = self.path(kind, rank, slot, "json")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "no committed copy"
+        except OSError as exc:
+            return f"unreadable manifest: {exc.strerror}"
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(mf.MANIFEST_MAX_BYTES + 1)
+        try:
+            return mf.parse_manifest(raw)
+        except ValueError as exc:
+            return f"torn or malformed manifest: {exc}"
+
+    def uncommit(self, kind: str, rank: int, slot: str) -> None:
+        self.path(kind, rank, slot, "json").unlink(missing_ok=True)
+
+    def commit(self, kind: str, rank: int, slot: str, manifest: bytes) -> None:
+        """Write the manifest last, by rename: a reader sees all of it or none."""
+        final = self.path(kind, rank, slot, "json")
+        tmp = final.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(manifest)
+        os.replace(tmp, final)
+
+    def copies(self, kind: str, rank: int) -> list[Copy]:
+        out = []
+        for slot in mf.SLOTS:
+            m = self.read_manifest(kind, rank, slot)
+            if isinstance(m, mf.MemoryManifest):
+                out.append(Copy(kind, slot, m))
+        return out
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes the node's slot files hold now, their total size: the node's budget)."""
+        used = size = 0
+        try:
+            for entry in os.scandir(self.root):
+                st = entry.stat(follow_symlinks=False)
+                used += st.st_blocks * 512
+                size += st.st_size if entry.name.endswith(".bin") else 0
+        except OSError:
+            pass
+        return used, size
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a tensor view still holds it: the process exit frees it
+                pass
+        self._maps.clear()
+
+
+def digest_of(data: memoryview | mmap.mmap, m: mf.MemoryManifest) -> str:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    view = memoryview(data)
+    for seg in [*m.segments, m.objects]:
+        h.update(view[seg.offset:seg.offset + seg.nbytes])
+    return "blake3:" + h.hexdigest()
+
+
+class MemoryTier:
+    """One rank's side of the memory tier (see the module)."""
+
+    def __init__(self, root: Path, *, rank: int, world_size: int, procs_per_node: int,
+                 job: str, config_hash: str | None, generation: int, partner: bool,
+                 group: Any, trust: Callable[[], signing.Trust | None],
+                 log: Callable[[str], None], device_type: str = "cpu") -> None:
+        self.slots = Slots(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.job = job
+        self.config_hash = config_hash
+        self.generation = generation
+        self.group = group
+        self._trust = trust
+        self.log = log
+        self.device_type = device_type
+        nodes = world_size // procs_per_node if procs_per_node > 0 else 1
+        self.partnered = partner and nodes > 1 and group is not None
+        # The ring over nodes: my copy goes to the next node, I hold the previous node's.
+        self.ppn = procs_per_node
+        self.holder = (rank + procs_per_node) % world_size
+        self.held = (rank - procs_per_node) % world_size
+        self.last_step: int | None = None
+        self.last_bytes = 0
+        self.saves = 0
+        self.disabled_reason: str | None = None
+
+    @property
+    def trust(self) -> signing.Trust | None:
+        return self._trust()
+
+    # -- saving ----------------------------------------------------------------------------
+    def _target(self, kind: str, rank: int) -> str:
+        """The slot a save overwrites: an empty one, else the one with the older step."""
+        have = {c.slot: c.manifest.step for c in self.slots.copies(kind, rank)}
+        free = [s for s in mf.SLOTS if s not in have]
+        return free[0] if free else min(have, key=lambda s: have[s])
+
+    def save(self, step: int, tokens: int, state: dict[str, Any]) -> float:
+        """Copy ``state`` into the older own slot, commit it, exchange with the partner.
+        Returns the seconds it took (training is blocked for all of it)."""
+        t0 = time.perf_counter()
+        if self.disabled_reason is not None:
+            return 0.0
+        slot = self._target("own", self.rank)
+        buf = self.slots.map("own", self.rank, slot)
+        manifest = None
+        if buf is None:
+            self._disable(f"the agent made no slot {mf.slot_name('own', self.rank, slot, 'bin')}")
+        else:
+            self.slots.uncommit("own", self.rank, slot)
+            manifest = self._write(buf, step, tokens, state)
+        if self.partnered:
+            # Every rank exchanges or none does: a rank whose state did not fit must not
+            # leave its partner waiting for bytes.
+            ok = torch.tensor([1 if manifest is not None else 0], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+            if not ok.item():
+                self.partnered = False
+                self.log("memory tier: partner copies off for this generation (a rank's "
+                         "state does not fit its slot)")
+        if manifest is None or buf is None:
+            return time.perf_counter() - t0
+        self.slots.commit("own", self.rank, slot, manifest)
+        if self.partnered:
+            self._exchange(buf, manifest)
+        self.last_step = step
+        self.saves += 1
+        return time.perf_counter() - t0
+
+    def report(self) -> dict[str, Any]:
+        """What the node's memory tier holds now, for the ``memory_tier`` event."""
+        used, budget = self.slots.usage()
+        return {"step": self.last_step or 0, "bytes": self.last_bytes, "node_bytes": used,
+                "node_budget_bytes": budget, "partner": self.partnered}
+
+    def _disable(self, reason: str) -> None:
+        self.disabled_reason = reason
+        self.log(f"memory tier off for this generation: {reason}")
+
+    def _write(self, buf: mmap.mmap, step: int, tokens: int,
+               state: dict[str, Any]) -> bytes | None:
+        tensors: list[torch.Tensor] = []
+        keys = sorted(state)
+        tree = {k: mf.flatten(state[k].state_dict(), tensors, _is_tensor) for k in keys}
+        objects = io.BytesIO()
+        torch.save(tree, objects)
+        blob = objects.getvalue()
+        segments, offset = [], 0
+        for t in tensors:
+            local = _local(t)
+            nbytes = local.numel() * local.element_size()
+            segments.append({"offset": offset, "nbytes": nbytes, "dtype": _dtype_name(local),
+                             "shape": list(local.shape)})
+            offset = mf.aligned(offset + nbytes)
+        end = offset + len(blob)
+        if end > len(buf):
+            self._disable(f"the state needs {end} bytes, a slot holds {len(buf)} "
+                          "(raise checkpoint.memory_max_bytes)")
+            return None
+        h = blake3.blake3()
+        view = memoryview(buf)
+        with torch.no_grad():
+            for t, seg in zip(tensors, segments, strict=True):
+                if seg["nbytes"]:
+                    dst = torch.frombuffer(buf, dtype=torch.uint8, count=seg["nbytes"],
+                                           offset=seg["offset"])
+                    src = _local(t).detach().contiguous().reshape(-1).view(torch.uint8)
+                    dst.copy_(src)
+                h.update(view[seg["offset"]:seg["offset"] + seg["nbytes"]])
+        buf[offset:end] = blob
+        h.update(view[offset:end])
+        view.release()
+        body = mf.MemoryManifest(
+            format=mf.FORMAT, job=self.job, config_hash=self.config_hash, rank=self.rank,
+            world_size=self.world_size, step=step, tokens=tokens, generation=self.generation,
+            keys=keys, segments=[mf.Segment(**s) for s in segments],
+            objects=mf.Blob(offset=offset, nbytes=len(blob)), data_bytes=end,
+            digest="blake3:" + h.hexdigest())
+        trust = self.trust
+        signed = mf.sign(body.model_dump(mode="json", exclude_none=True),
+                         trust.key if trust is not None else None)
+        self.last_bytes = end
+        return mf.encode(signed)
+
+    def _exchange(self, buf: mmap.mmap, manifest: bytes) -> None:
+        """Send my committed copy to my holder; receive and commit the one I hold."""
+        size = torch.tensor([len(manifest), mf.parse_manifest(manifest).data_bytes],
+                            dtype=torch.int64)
+        their = torch.zeros(2, dtype=torch.int64)
+        self._sendrecv(size, their)
+        slot = self._target("partner", self.held)
+        pbuf = self.slots.map("partner", self.held, slot)
+        mine_n = int(size[1])
+        m_len, d_len = int(their[0]), int(their[1])
+        # Both ends must know whether the data moves: a holder with no room sends an empty
+        # answer (and keeps its older copy), so neither side waits for bytes never sent.
+        room = torch.tensor([1 if pbuf is not None and d_len <= len(pbuf) and
+                             m_len <= mf.MANIFEST_MAX_BYTES else 0], dtype=torch.int64)
+        peer_room = torch.zeros(1, dtype=torch.int64)
+        self._sendrecv(room, peer_room, to_held=True)
+        if room.item():
+            self.slots.uncommit("partner", self.held, slot)
+        send_m = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
+        recv_m = torch.zeros(m_len if room.item() else 0, dtype=torch.uint8)
+        src = torch.frombuffer(buf, dtype=torch.uint8, count=mine_n) if peer_room.item() \
+            else torch.zeros(0, dtype=torch.uint8)
+        dst = torch.frombuffer(pbuf, dtype=torch.uint8, count=d_len) \
+            if room.item() and d_len else torch.zeros(0, dtype=torch.uint8)
+        ops = []
+        if peer_room.item():
+            ops += [dist.P2POp(dist.isend, send_m, self.holder, self.group),
+                    dist.P2POp(dist.isend, src, self.holder, self.group)]
+        if room.item():
+            ops += [dist.P2POp(dist.irecv, recv_m, self.held, self.group),
+                    dist.P2POp(dist.irecv, dst, self.held, self.group)]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        if room.item():
+            self.slots.commit("partner", self.held, slot, recv_m.numpy().tobytes())
+        else:
+            self.log(f"memory tier: no room for rank {self.held}'s partner copy "
+                     f"({d_len} bytes)")
+
+    def _sendrecv(self, send: torch.Tensor, recv: torch.Tensor, to_held: bool = False) -> None:
+        """``send`` to my holder and ``recv`` from the rank I hold (reversed: ``to_held``)."""
+        dst, src = (self.held, self.holder) if to_held else (self.holder, self.held)
+        ops = [dist.P2POp(dist.isend, send, dst, self.group),
+               dist.P2POp(dist.irecv, recv, src, self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    # -- restoring ---------------------------------------------------------------------------
+    def _candidates(self, max_step: int | None) -> tuple[dict[int, Copy], dict[int, Copy],
+                                                         list[str]]:
+        """My own and my held partner's committed copies by step (<= max_step), and notes
+        on the ones passed over."""
+        notes: list[str] = []
+
+        def usable(kind: str, rank: int) -> dict[int, Copy]:
+            out: dict[int, Copy] = {}
+            for slot in mf.SLOTS:
+                m = self.slots.read_manifest(kind, rank, slot)
+                if isinstance(m, str):
+                    if m != "no committed copy":
+                        notes.append(f"{kind} r{rank}/{slot}: {m}")
+                    continue
+                if max_step is not None and m.step > max_step:
+                    notes.append(f"{kind} r{rank}/{slot}: step {m.step} > max {max_step}")
+                    continue
+                out[m.step] = Copy(kind, slot, m)
+            return out
+
+        own = usable("own", self.rank)
+        held = usable("partner", self.held) if self.partnered else {}
+        return own, held, notes
+
+    def _verify(self, copy: Copy, rank: int) -> tuple[memoryview | None, str | None]:
+        buf = self.slots.map(copy.kind, rank, copy.slot)
+        if buf is None:
+            return None, "its slot is gone"
+        problem = mf.check(copy.manifest, trust=self.trust, job=self.job,
+                           config_hash=self.config_hash, rank=rank,
+                           world_size=self.world_size, capacity=len(buf))
+        if problem is None and digest_of(buf, copy.manifest) != copy.manifest.digest:
+            problem = "digest mismatch (torn or corrupt bytes)"
+        return (memoryview(buf), None) if problem is None else (None, problem)
+
+    def plan(self, durable_step: int | None, max_step: int | None) -> Plan:
+        """Collective over the group: whether (and from which step) every rank restores
+        from memory, and this rank's verified bytes. Durable ``None``: no checkpoint."""
+        t0 = time.perf_counter()
+        own, held, notes = self._candidates(max_step)
+        mine = {"own": sorted(own), "held": sorted(held), "notes": notes[:8]}
+        every: list[Any] = [mine]
+        if self.group is not None and self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine, group=self.group)
+        floor = -1 if durable_step is None else durable_step
+        sources: dict[int, list[int]] = {}  # step -> ranks that need their partner
+        steps = sorted({s for e in every for s in e["own"]} |
+                       {s for e in every for s in e["held"]}, reverse=True)
+        chosen = None
+        for s in steps:
+            if s < floor:
+                break
+            need: list[int] = []
+            for r in range(self.world_size):
+                if s in every[r]["own"]:
+                    continue
+                holder = (r + self.ppn) % self.world_size if self.partnered else None
+                if holder is not None and s in every[holder]["held"]:
+                    need.append(r)
+                else:
+                    need = None  # type: ignore[assignment]
+                    break
+            if need is not None:
+                chosen, sources[s] = s, need
+                break
+        if chosen is None:
+            why = "no memory copy" if not steps else (
+                f"no step held by every rank at or after the durable step {durable_step}"
+                f" (memory holds {steps[:4]})")
+            extra = [n for e in every for n in e["notes"]][:4]
+            return Plan(False, None, why + (f"; {'; '.join(extra)}" if extra else ""),
+                        verify_s=time.perf_counter() - t0)
+        need = sources[chosen]
+        data, manifest, problem = None, None, None
+        if self.rank not in need:
+            data, problem = self._verify(own[chosen], self.rank)
+            manifest = own[chosen].manifest
+        # Holders verify and send the copies of ranks that lost their node (sends are
+        # asynchronous: a rank may be a holder and a receiver at once).
+        sends: list[Any] = []
+        if self.held in need:
+            hdata, hproblem = self._verify(held[chosen], self.held)
+            sends = self._send_copy(held[chosen], hdata, hproblem)
+        if self.rank in need:
+            data, manifest, problem = self._receive_copy(chosen)
+        for work in sends:
+            work.wait()
+        ok = torch.tensor([0 if problem else 1], dtype=torch.int32)
+        problems: list[Any] = [problem]
+        if self.group is not None and self.world_size > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, problem, group=self.group)
+        if not ok.item():
+            bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p][:4]
+            return Plan(False, chosen, f"the step {chosen} copy fails verification: "
+                        + "; ".join(bad), verify_s=time.perf_counter() - t0)
+        how = f"step {chosen} held by every rank" + (
+            f", ranks {need} from their partner's copy" if need else "")
+        if durable_step is not None:
+            how += f" (durable tier: step {durable_step})"
+        return Plan(True, chosen, how, need, data, manifest, time.perf_counter() - t0)
+
+    def _send_copy(self, copy: Copy, data: memoryview | None,
+                   problem: str | None) -> list[Any]:
+        """Start sending the held copy (its signed manifest, then its bytes) to the rank
+        it belongs to; an empty header says it failed verification here."""
+        raw = self.slots.path(copy.kind, self.held, copy.slot, "json").read_bytes() \
+            if problem is None else b""
+        header = torch.tensor([len(raw), copy.manifest.data_bytes if problem is None else 0],
+                              dtype=torch.int64)
+        works = [dist.isend(header, self.held, group=self.group)]
+        if problem is None and data is not None:
+            works.append(dist.isend(torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+                                    self.held, group=self.group))
+            works.append(dist.isend(torch.frombuffer(data, dtype=torch.uint8,
+                                                     count=copy.manifest.data_bytes),
+                                    self.held, group=self.group))
+        return works
+
+    def _receive_copy(self, step: int) -> tuple[memoryview | None, Any, str | None]:
+        """Receive my copy from my holder into my older own slot, commit and verify it."""
+        header = torch.zeros(2, dtype=torch.int64)
+        dist.recv(header, self.holder, group=self.group)
+        m_len, d_len = int(header[0]), int(header[1])
+        if m_len == 0:
+            return None, None, f"my partner's copy (rank {self.holder}) fails verification"
+        raw = torch.zeros(m_len, dtype=torch.uint8)
+        dist.recv(raw, self.holder, group=self.group)
+        slot = self._target("own", self.rank)
+        buf = self.slots.map("own", self.rank, slot)
+        scratch = torch.zeros(d_len, dtype=torch.uint8) if buf is None or d_len > len(buf) \
+            else torch.frombuffer(buf, dtype=torch.uint8, count=d_len)
+        if buf is not None:
+            self.slots.uncommit("own", self.rank, slot)
+        dist.recv(scratch, self.holder, group=self.group)
+        if buf is None or d_len > len(buf):
+            return None, None, "no own slot to receive my partner's copy into"
+        try:
+            manifest = mf.parse_manifest(raw.numpy().tobytes())
+        except ValueError as exc:
+            return None, None, f"partner's manifest: {exc}"
+        if manifest.step != step:
+            return None, None, f"partner sent step {manifest.step}, not {step}"
+        self.slots.commit("own", self.rank, slot, raw.numpy().tobytes())
+        data, problem = self._verify(Copy("own", slot, manifest), self.rank)
+        return data, manifest, problem
+
+    def load(self, plan: Plan, state: dict[str, Any]) -> None:
+        """Copy the planned copy into ``state``: each tensor segment straight into the
+        tensor the fresh state dict holds at its place, then each part's
+        ``load_state_dict``. Raises ValueError when the layout does not match."""
+        assert plan.use and plan.data is not None and plan.manifest is not None
+        m, data = plan.manifest, plan.data
+        if sorted(state) != m.keys:
+            raise ValueError(f"state parts {sorted(state)} differ from the copy's {m.keys}")
+        tree = torch.load(io.BytesIO(data[m.objects.offset:m.objects.offset +
+                                          m.objects.nbytes]), weights_only=True)
+        if not isinstance(tree, dict) or sorted(tree) != m.keys:
+            raise ValueError("the copy's object tree does not name its parts")
+
+        def fill(i: int, target: Any, path: str) -> Any:
+            if not 0 <= i < len(m.segments) or not _is_tensor(target):
+                raise ValueError(f"{path}: no tensor to restore segment {i} into")
+            seg, local = m.segments[i], _local(target)
+            if list(local.shape) != seg.shape or _dtype_name(local) != seg.dtype:
+                raise ValueError(f"{path}: {seg.dtype}{seg.shape} in memory, "
+                                 f"{_dtype_name(local)}{list(local.shape)} here")
+            if seg.nbytes:
+                src = torch.frombuffer(data, dtype=getattr(torch, seg.dtype),
+                                       count=local.numel(), offset=seg.offset)
+                with torch.no_grad():
+                    local.copy_(src.view(local.shape), non_blocking=True)
+            return target
+
+        filled = {}
+        for key in m.keys:
+            template = state[key].state_dict()
+            filled[key] = mf.unflatten(tree[key], template, fill, key)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        for key in m.keys:
+            state[key].load_state_dict(filled[key])
+        self.last_step = plan.step
+
+    def invalidate_after(self, step: int) -> list[str]:
+        """Uncommit every copy newer than ``step``, the point this generation restored
+        from: it belongs to a future that was abandoned (a rollback)."""
+        dropped = []
+        for kind, rank in (("own", self.rank), ("partner", self.held)):
+            for c in self.slots.copies(kind, rank):
+                if c.manifest.step > step:
+                    self.slots.uncommit(kind, rank, c.slot)
+                    dropped.append(f"{kind} r{rank} step {c.manifest.step}")
+        return dropped
+
+    def close(self) -> None:
+        self.slots.close()
