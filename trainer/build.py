@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-
 from orchestrator.worker import Worker, WorkerContext
 from trainer.backends import Backend, backend_for
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -99,17 +98,27 @@ def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerCo
         if dctx.is_main:
             log(f"memory tier off: {why}")
         return None
+    import datetime
     from pathlib import Path
+
+    import torch.distributed as dist
 
     from orchestrator import envcontract as ec
     from trainer.checkpoint.memory import MemoryTier
+    from trainer.distributed import collective_timeout_s
 
+    group = None
+    if dctx.ckpt_group is not None:
+        # Its own gloo group: partner copies travel in the tier's commit thread, never
+        # beside the training thread's or the async save's collectives.
+        group = dist.new_group(backend="gloo",
+                               timeout=datetime.timedelta(seconds=collective_timeout_s()))
     return MemoryTier(Path(ctx.memory_dir), rank=dctx.rank, world_size=dctx.world_size,
                       procs_per_node=ec.get_int(os.environ, "LOCAL_WORLD_SIZE", 1,
                                                 minimum=1) or 1,
                       job=settings.job, config_hash=settings.config_hash,
                       generation=ctx.generation, partner=cfg.memory_partner,
-                      group=dctx.control_group, trust=lambda: checkpointer.store.trust,
+                      group=group, trust=lambda: checkpointer.store.trust,
                       log=log, device_type=dctx.device.type)
 
 

@@ -145,6 +145,8 @@ def train(p: Parts) -> None:
     # no steps (checkpointing) applies, not the calibrated step interval.
     with p.worker.phase("checkpointing"):
         p.checkpointer.finish()
+        if p.memory is not None:
+            p.memory.wait()
     # Every rank reports its parameters' checksum: replicas (DDP) that disagree have drifted.
     digest = tensors_digest(p.stepper.local_tensors())
     p.log(f"final parameters: crc32 {digest['crc32']} over {digest['numel']} local values")

@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if parts is not None:
             parts.checkpointer.close()
+            if parts.memory is not None:
+                parts.memory.close()
         teardown()
         ow.shutdown()
     return 0

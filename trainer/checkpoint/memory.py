@@ -5,13 +5,14 @@ The node agent creates the slot files in a directory of its own (``/dev/shm``), 
 .memory``); they outlive the worker processes, not the agent. A rank maps its slots; the
 format and the manifest are ``memory_format``'s.
 
-**Saving** (``save``, every ``checkpoint.memory_interval_steps`` steps, on the training
-thread): the manifest of the older of the rank's two slots is removed, the state's tensors
-are copied into that slot (device-to-host on a GPU) and hashed as they land, then the signed
-manifest is renamed into place: the commit. With a partner, each rank then sends its slot
-(bytes and manifest) to the rank at the same local index on the next node over a gloo
-group and receives the previous node's: that copy is committed the same way in a
-``partner`` slot. GEMINI's placement (a ring over nodes, one replica each): one node lost
+**Saving** (``save``, every ``checkpoint.memory_interval_steps`` steps): the manifest of
+the older of the rank's two slots is removed and the state's tensors are copied into that
+slot (device-to-host on a GPU): training waits for this copy only. A commit thread then
+digests the slot's bytes (BLAKE3), signs the manifest and renames it into place: the
+commit. With a partner, each rank's commit thread then sends its slot (bytes and manifest)
+to the rank at the same local index on the next node, over a gloo group of the tier's own,
+and receives the previous node's: that copy is committed the same way in a ``partner``
+slot. One save is in flight at a time. GEMINI's placement (a ring over nodes, one replica each): one node lost
 loses no state, memory per node is twice a rank's state, and the exchange is one
 send/receive pair per rank, not a collective that grows with the world.
 
@@ -28,21 +29,21 @@ of the fresh state dict and hands the filled state to each part's ``load_state_d
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import mmap
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import blake3
 import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
+from trainer.checkpoint.memory_slots import Copy, Slots, digest_of
 
 
 def _is_tensor(value: Any) -> bool:
@@ -57,15 +58,6 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-@dataclass(frozen=True)
-class Copy:
-    """A committed copy in one of this rank's slots (not yet digest-verified)."""
-
-    kind: str  # own | partner
-    slot: str
-    manifest: mf.MemoryManifest
-
-
 @dataclass
 class Plan:
     """The collective decision of a restore (the same on every rank)."""
@@ -78,99 +70,6 @@ class Plan:
     manifest: mf.MemoryManifest | None = None
     verify_s: float = 0.0
     durable_step: int | None = None  # the durable tier's newest committed step
-
-
-class Slots:
-    """One rank's view of its node's memory directory: map, read and commit slots."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._maps: dict[str, mmap.mmap] = {}
-
-    def path(self, kind: str, rank: int, slot: str, ext: str) -> Path:
-        return self.root / mf.slot_name(kind, rank, slot, ext)
-
-    def map(self, kind: str, rank: int, slot: str) -> mmap.mmap | None:
-        """The slot's bytes, mapped shared (None: the agent made no such slot)."""
-        name = mf.slot_name(kind, rank, slot, "bin")
-        if name not in self._maps:
-            try:
-                fd = os.open(self.root / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                return None
-            try:
-                size = os.fstat(fd).st_size
-                if size == 0:
-                    return None
-                self._maps[name] = mmap.mmap(fd, size, mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-        return self._maps[name]
-
-    def read_manifest(self, kind: str, rank: int, slot: str) -> mf.MemoryManifest | str:
-        """The slot's parsed manifest, or why there is none usable."""
-        path = self.path(kind, rank, slot, "json")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return "no committed copy"
-        except OSError as exc:
-            return f"unreadable manifest: {exc.strerror}"
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(mf.MANIFEST_MAX_BYTES + 1)
-        try:
-            return mf.parse_manifest(raw)
-        except ValueError as exc:
-            return f"torn or malformed manifest: {exc}"
-
-    def uncommit(self, kind: str, rank: int, slot: str) -> None:
-        self.path(kind, rank, slot, "json").unlink(missing_ok=True)
-
-    def commit(self, kind: str, rank: int, slot: str, manifest: bytes) -> None:
-        """Write the manifest last, by rename: a reader sees all of it or none."""
-        final = self.path(kind, rank, slot, "json")
-        tmp = final.with_suffix(".json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(manifest)
-        os.replace(tmp, final)
-
-    def copies(self, kind: str, rank: int) -> list[Copy]:
-        out = []
-        for slot in mf.SLOTS:
-            m = self.read_manifest(kind, rank, slot)
-            if isinstance(m, mf.MemoryManifest):
-                out.append(Copy(kind, slot, m))
-        return out
-
-    def usage(self) -> tuple[int, int]:
-        """(bytes the node's slot files hold now, their total size: the node's budget)."""
-        used = size = 0
-        try:
-            for entry in os.scandir(self.root):
-                st = entry.stat(follow_symlinks=False)
-                used += st.st_blocks * 512
-                size += st.st_size if entry.name.endswith(".bin") else 0
-        except OSError:
-            pass
-        return used, size
-
-    def close(self) -> None:
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a tensor view still holds it: the process exit frees it
-                pass
-        self._maps.clear()
-
-
-def digest_of(data: memoryview | mmap.mmap, m: mf.MemoryManifest) -> str:
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    view = memoryview(data)
-    for seg in [*m.segments, m.objects]:
-        h.update(view[seg.offset:seg.offset + seg.nbytes])
-    return "blake3:" + h.hexdigest()
 
 
 class MemoryTier:
@@ -198,8 +97,11 @@ class MemoryTier:
         self.held = (rank - procs_per_node) % world_size
         self.last_step: int | None = None
         self.last_bytes = 0
+        self.staged_step: int | None = None
         self.saves = 0
         self.disabled_reason: str | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
+        self._pending: concurrent.futures.Future | None = None
 
     @property
     def trust(self) -> signing.Trust | None:
@@ -213,49 +115,52 @@ class MemoryTier:
         return free[0] if free else min(have, key=lambda s: have[s])
 
     def save(self, step: int, tokens: int, state: dict[str, Any]) -> float:
-        """Copy ``state`` into the older own slot, commit it, exchange with the partner.
-        Returns the seconds it took (training is blocked for all of it)."""
+        """Copy ``state`` into the older own slot (training waits for this copy only);
+        the digest, the signed manifest (the commit) and the partner exchange follow in
+        the background. One save in flight: this waits for the previous one first.
+        Returns the seconds training was blocked."""
         t0 = time.perf_counter()
+        self.wait()
         if self.disabled_reason is not None:
             return 0.0
         slot = self._target("own", self.rank)
         buf = self.slots.map("own", self.rank, slot)
-        manifest = None
+        staged = None
         if buf is None:
             self._disable(f"the agent made no slot {mf.slot_name('own', self.rank, slot, 'bin')}")
         else:
             self.slots.uncommit("own", self.rank, slot)
-            manifest = self._write(buf, step, tokens, state)
-        if self.partnered:
-            # Every rank exchanges or none does: a rank whose state did not fit must not
-            # leave its partner waiting for bytes.
-            ok = torch.tensor([1 if manifest is not None else 0], dtype=torch.int32)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-            if not ok.item():
-                self.partnered = False
-                self.log("memory tier: partner copies off for this generation (a rank's "
-                         "state does not fit its slot)")
-        if manifest is None or buf is None:
+            staged = self._stage(buf, step, tokens, state)
+        if staged is None and not self.partnered:
             return time.perf_counter() - t0
-        self.slots.commit("own", self.rank, slot, manifest)
-        if self.partnered:
-            self._exchange(buf, manifest)
-        self.last_step = step
         self.saves += 1
+        self._pending = self._executor.submit(self._commit, slot, buf, staged)
         return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Until the save in flight is committed (and exchanged); its error is logged."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as exc:  # noqa: BLE001 - the older copy stays; the next save retries
+            self.log(f"memory tier: a save failed: {type(exc).__name__}: {exc}")
 
     def report(self) -> dict[str, Any]:
         """What the node's memory tier holds now, for the ``memory_tier`` event."""
         used, budget = self.slots.usage()
-        return {"step": self.last_step or 0, "bytes": self.last_bytes, "node_bytes": used,
+        return {"step": self.staged_step or 0, "bytes": self.last_bytes, "node_bytes": used,
                 "node_budget_bytes": budget, "partner": self.partnered}
 
     def _disable(self, reason: str) -> None:
         self.disabled_reason = reason
         self.log(f"memory tier off for this generation: {reason}")
 
-    def _write(self, buf: mmap.mmap, step: int, tokens: int,
-               state: dict[str, Any]) -> bytes | None:
+    def _stage(self, buf: mmap.mmap, step: int, tokens: int,
+               state: dict[str, Any]) -> mf.MemoryManifest | None:
+        """Copy every tensor of ``state`` and its object tree into ``buf``; the manifest
+        to commit, its digest still to compute (None: the state does not fit)."""
         tensors: list[torch.Tensor] = []
         keys = sorted(state)
         tree = {k: mf.flatten(state[k].state_dict(), tensors, _is_tensor) for k in keys}
@@ -266,38 +171,56 @@ class MemoryTier:
         for t in tensors:
             local = _local(t)
             nbytes = local.numel() * local.element_size()
-            segments.append({"offset": offset, "nbytes": nbytes, "dtype": _dtype_name(local),
-                             "shape": list(local.shape)})
+            segments.append(mf.Segment(offset=offset, nbytes=nbytes, dtype=_dtype_name(local),
+                                       shape=list(local.shape)))
             offset = mf.aligned(offset + nbytes)
         end = offset + len(blob)
         if end > len(buf):
             self._disable(f"the state needs {end} bytes, a slot holds {len(buf)} "
                           "(raise checkpoint.memory_max_bytes)")
             return None
-        h = blake3.blake3()
-        view = memoryview(buf)
         with torch.no_grad():
             for t, seg in zip(tensors, segments, strict=True):
-                if seg["nbytes"]:
-                    dst = torch.frombuffer(buf, dtype=torch.uint8, count=seg["nbytes"],
-                                           offset=seg["offset"])
+                if seg.nbytes:
+                    dst = torch.frombuffer(buf, dtype=torch.uint8, count=seg.nbytes,
+                                           offset=seg.offset)
                     src = _local(t).detach().contiguous().reshape(-1).view(torch.uint8)
-                    dst.copy_(src)
-                h.update(view[seg["offset"]:seg["offset"] + seg["nbytes"]])
+                    dst.copy_(src, non_blocking=True)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()  # the copies must land before training moves on
         buf[offset:end] = blob
-        h.update(view[offset:end])
-        view.release()
-        body = mf.MemoryManifest(
+        self.last_bytes, self.staged_step = end, step
+        return mf.MemoryManifest(
             format=mf.FORMAT, job=self.job, config_hash=self.config_hash, rank=self.rank,
             world_size=self.world_size, step=step, tokens=tokens, generation=self.generation,
-            keys=keys, segments=[mf.Segment(**s) for s in segments],
-            objects=mf.Blob(offset=offset, nbytes=len(blob)), data_bytes=end,
-            digest="blake3:" + h.hexdigest())
-        trust = self.trust
-        signed = mf.sign(body.model_dump(mode="json", exclude_none=True),
-                         trust.key if trust is not None else None)
-        self.last_bytes = end
-        return mf.encode(signed)
+            keys=keys, segments=segments, objects=mf.Blob(offset=offset, nbytes=len(blob)),
+            data_bytes=end, digest="blake3:" + "0" * 64)
+
+    def _commit(self, slot: str, buf: mmap.mmap | None,
+                staged: mf.MemoryManifest | None) -> None:
+        """Background: digest the staged bytes, sign and commit the manifest, then trade
+        copies with the partner (on the tier's own group, never the training thread's)."""
+        manifest = None
+        if staged is not None and buf is not None:
+            body = staged.model_copy(update={"digest": digest_of(buf, staged)})
+            trust = self.trust
+            manifest = mf.encode(mf.sign(body.model_dump(mode="json", exclude_none=True),
+                                         trust.key if trust is not None else None))
+            self.slots.commit("own", self.rank, slot, manifest)
+            self.last_step = staged.step
+        if not self.partnered:
+            return
+        # Every rank exchanges or none does: a rank whose state did not fit must not leave
+        # its partner waiting for bytes.
+        ok = torch.tensor([1 if manifest is not None else 0], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if not ok.item():
+            self.partnered = False
+            self.log("memory tier: partner copies off for this generation (a rank's state "
+                     "does not fit its slot)")
+            return
+        assert buf is not None and manifest is not None
+        self._exchange(buf, manifest)
 
     def _exchange(self, buf: mmap.mmap, manifest: bytes) -> None:
         """Send my committed copy to my holder; receive and commit the one I hold."""
@@ -425,31 +348,48 @@ class MemoryTier:
         if self.rank not in need:
             data, problem = self._verify(own[chosen], self.rank)
             manifest = own[chosen].manifest
-        # Holders verify and send the copies of ranks that lost their node (sends are
-        # asynchronous: a rank may be a holder and a receiver at once).
-        sends: list[Any] = []
-        if self.held in need:
-            hdata, hproblem = self._verify(held[chosen], self.held)
-            sends = self._send_copy(held[chosen], hdata, hproblem)
         if self.rank in need:
-            data, manifest, problem = self._receive_copy(chosen)
-        for work in sends:
-            work.wait()
-        ok = torch.tensor([0 if problem else 1], dtype=torch.int32)
-        problems: list[Any] = [problem]
-        if self.group is not None and self.world_size > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-            problems = [None] * self.world_size
-            dist.all_gather_object(problems, problem, group=self.group)
-        if not ok.item():
+            problem = "not received"
+        data, manifest, problem, problems = self._transfer(need, chosen, held, data, manifest,
+                                                           problem)
+        # A rank whose own copy fails (torn, bit-rot) takes its partner's, when it has one.
+        retry = [r for r, p in enumerate(problems) if p and r not in need and self.partnered
+                 and chosen in every[(r + self.ppn) % self.world_size]["held"]]
+        passed = [f"rank {r}'s own copy: {problems[r]}" for r in retry]
+        if retry:
+            data, manifest, problem, problems = self._transfer(retry, chosen, held, data,
+                                                               manifest, problem)
+            need = sorted(need + retry)
+        if any(problems):
             bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p][:4]
             return Plan(False, chosen, f"the step {chosen} copy fails verification: "
-                        + "; ".join(bad), verify_s=time.perf_counter() - t0)
+                        + "; ".join(passed + bad), verify_s=time.perf_counter() - t0)
         how = f"step {chosen} held by every rank" + (
             f", ranks {need} from their partner's copy" if need else "")
+        if passed:
+            how += " (" + "; ".join(passed[:4]) + ")"
         if durable_step is not None:
             how += f" (durable tier: step {durable_step})"
         return Plan(True, chosen, how, need, data, manifest, time.perf_counter() - t0)
+
+    def _transfer(self, need: list[int], step: int, held: dict[int, Copy], data: Any,
+                  manifest: Any, problem: str | None) -> tuple[Any, Any, str | None, list]:
+        """Holders verify and send the copies of the ranks in ``need`` (sends are
+        asynchronous: a rank may hold one and receive one at once); those ranks receive
+        and verify theirs. Then every rank learns every rank's problem (None: fine)."""
+        sends: list[Any] = []
+        if self.partnered and self.held in need:
+            hdata, hproblem = self._verify(held[step], self.held)
+            sends = self._send_copy(held[step], hdata, hproblem)
+        if self.rank in need:
+            data, manifest, problem = self._receive_copy(step)
+        for work in sends:
+            work.wait()
+        problems: list[Any] = [problem]
+        if self.group is not None and self.world_size > 1:
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, problem, group=self.group)
+        return data, manifest, problem, problems
 
     def _send_copy(self, copy: Copy, data: memoryview | None,
                    problem: str | None) -> list[Any]:
@@ -545,4 +485,7 @@ class MemoryTier:
         return dropped
 
     def close(self) -> None:
+        """Stop the commit thread (a save still in flight finishes, bounded by the group's
+        timeout when a partner is gone) and unmap the slots."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
         self.slots.close()

@@ -63,7 +63,9 @@ def test_save_plan_load_round_trip_is_bit_exact(tmp_path: Path) -> None:
     t = tier(tmp_path)
     src = state(1)
     t.save(5, 50, src)
-    t.save(10, 100, state(2))  # the other slot: both stay committed
+    t.wait()
+    t.save(10, 100, state(2))
+    t.wait()  # the other slot: both stay committed
     dst = state(3)
     plan = t.plan(durable_step=5, max_step=None)
     assert plan.use and plan.step == 10, plan.reason
@@ -82,6 +84,7 @@ def test_a_third_save_overwrites_the_older_slot(tmp_path: Path) -> None:
     t = tier(tmp_path)
     for step in (5, 10, 15):
         t.save(step, 0, state(step))
+        t.wait()
     steps = sorted(c.manifest.step for c in t.slots.copies("own", 0))
     assert steps == [10, 15]
 
@@ -89,6 +92,7 @@ def test_a_third_save_overwrites_the_older_slot(tmp_path: Path) -> None:
 def test_older_than_durable_is_not_used(tmp_path: Path) -> None:
     t = tier(tmp_path)
     t.save(5, 0, state(1))
+    t.wait()
     plan = t.plan(durable_step=10, max_step=None)
     assert not plan.use and "at or after the durable step 10" in plan.reason
 
@@ -100,6 +104,7 @@ def test_older_than_durable_is_not_used(tmp_path: Path) -> None:
 def test_a_damaged_copy_is_never_loaded(tmp_path: Path, damage: str, reason: str) -> None:
     t = tier(tmp_path)
     t.save(5, 0, state(1))
+    t.wait()
     (copy,) = t.slots.copies("own", 0)
     bin_path = t.slots.path("own", 0, copy.slot, "bin")
     json_path = bin_path.with_suffix(".json")
@@ -128,6 +133,7 @@ def test_a_damaged_copy_is_never_loaded(tmp_path: Path, damage: str, reason: str
 def test_layout_mismatch_raises_before_loading_anything(tmp_path: Path) -> None:
     t = tier(tmp_path)
     t.save(5, 0, state(1))
+    t.wait()
     plan = t.plan(durable_step=None, max_step=None)
     other = state(2)
     other["model"].value["w"] = torch.zeros(3, 3)
@@ -138,7 +144,9 @@ def test_layout_mismatch_raises_before_loading_anything(tmp_path: Path) -> None:
 def test_invalidate_after_drops_an_abandoned_future(tmp_path: Path) -> None:
     t = tier(tmp_path)
     t.save(5, 0, state(1))
+    t.wait()
     t.save(10, 0, state(2))
+    t.wait()
     assert t.invalidate_after(5) == ["own r0 step 10"]
     assert [c.manifest.step for c in t.slots.copies("own", 0)] == [5]
 
@@ -151,6 +159,7 @@ def test_a_state_larger_than_its_slot_turns_the_tier_off(tmp_path: Path) -> None
                    trust=lambda: TRUST, log=lambda _m: None)
     big = {"m": Box({"w": torch.zeros(slot)})}
     t.save(5, 0, big)
+    t.wait()
     assert t.disabled_reason is not None and "raise checkpoint.memory_max_bytes" in \
         t.disabled_reason
     assert t.slots.copies("own", 0) == []
