@@ -16,6 +16,7 @@ tier either). Medians of ``--repeat`` rounds.
 
     python bench/memory_tier.py --preset small --out memory-tier-cpu.json
     python bench/memory_tier.py --preset 1b --device cuda --out memory-tier-h100.json
+    python bench/memory_tier.py --preset 1b --device cuda --pin-restore --out memory-tier-h100-pinned.json
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def durable_round(preset: str, device: str, root: Path) -> dict[str, float]:
             "load_s": t2 - t1, "restore_s": t2 - t0}
 
 
-def memory_round(preset: str, device: str, run: Path, shm: Path) -> dict[str, float]:
+def memory_round(preset: str, device: str, run: Path, shm: Path,
+                 pin_restore: bool) -> dict[str, float]:
     from orchestrator.agent.memory import NodeMemory
     from trainer.checkpoint import signing
     from trainer.checkpoint.memory import MemoryTier
@@ -124,11 +126,16 @@ def memory_round(preset: str, device: str, run: Path, shm: Path) -> dict[str, fl
     def make() -> MemoryTier:
         return MemoryTier(node.path, rank=0, world_size=1, procs_per_node=1, job="bench",
                           config_hash=None, generation=1, partner=False, group=None,
-                          trust=lambda: trust, log=lambda m: None, device_type=device)
+                          trust=lambda: trust, log=lambda m: None, device_type=device,
+                          pin_restore=pin_restore)
 
     try:
         state, model = build(preset, device, 0)
         tier = make()
+        t0 = time.perf_counter()
+        tier.prepare_saves()  # a GPU's slots page-locked in the background after start-up
+        tier.wait()
+        pin_s = time.perf_counter() - t0
         sync(device)
         t0 = time.perf_counter()
         blocking_s = tier.save(7, 7000, state)
@@ -152,7 +159,7 @@ def memory_round(preset: str, device: str, run: Path, shm: Path) -> dict[str, fl
     finally:
         node.free()
     return {"save_s": save_s, "save_blocking_s": blocking_s, "verify_s": t1 - t0,
-            "load_s": t2 - t1, "restore_s": t2 - t0, "bytes": nbytes}
+            "load_s": t2 - t1, "restore_s": t2 - t0, "pin_slots_s": pin_s, "bytes": nbytes}
 
 
 def main() -> int:
@@ -162,6 +169,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--shm", default="/dev/shm", help="where the memory tier's slots go")
+    ap.add_argument("--pin-restore", action="store_true",
+                    help="page-lock the slot for the restore's host-to-device copies (CUDA)")
     ap.add_argument("--out", default=None, help="file name under bench/results")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -171,13 +180,15 @@ def main() -> int:
             rounds["durable"].append(durable_round(args.preset, args.device,
                                                    Path(tmp) / f"ck{i}"))
             rounds["memory"].append(memory_round(args.preset, args.device,
-                                                 Path(tmp) / f"run{i}", Path(args.shm)))
+                                                 Path(tmp) / f"run{i}", Path(args.shm),
+                                                 args.pin_restore))
     med = {tier: {k: round(statistics.median(r[k] for r in rs), 6) for k in rs[0]}
            for tier, rs in rounds.items()}
     device = None
     if args.device == "cuda":
         device = f"cuda: {torch.cuda.get_device_name(0)}"
     report = {**header(device), "preset": args.preset, "repeat": args.repeat,
+              "pin_restore": args.pin_restore,
               "state_bytes": med["memory"]["bytes"], "median": med,
               "speedup_restore": round(med["durable"]["restore_s"] /
                                        med["memory"]["restore_s"], 2),

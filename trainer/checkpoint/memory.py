@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
-from trainer.checkpoint.memory_slots import Copy, Slots, digest_of
+from trainer.checkpoint.memory_slots import Copy, Pinned, Slots, digest_of
 
 
 def _is_tensor(value: Any) -> bool:
@@ -70,6 +70,7 @@ class Plan:
     manifest: mf.MemoryManifest | None = None
     verify_s: float = 0.0
     durable_step: int | None = None  # the durable tier's newest committed step
+    slot: str | None = None  # this rank's own slot holding the copy
 
 
 class MemoryTier:
@@ -78,8 +79,11 @@ class MemoryTier:
     def __init__(self, root: Path, *, rank: int, world_size: int, procs_per_node: int,
                  job: str, config_hash: str | None, generation: int, partner: bool,
                  group: Any, trust: Callable[[], signing.Trust | None],
-                 log: Callable[[str], None], device_type: str = "cpu") -> None:
+                 log: Callable[[str], None], device_type: str = "cpu",
+                 pin_restore: bool = False) -> None:
         self.slots = Slots(root)
+        self.pin_restore = pin_restore and device_type == "cuda"
+        self._pinned: list[Pinned] = []
         self.rank = rank
         self.world_size = world_size
         self.job = job
@@ -102,6 +106,7 @@ class MemoryTier:
         self.disabled_reason: str | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
         self._pending: concurrent.futures.Future | None = None
+
 
     @property
     def trust(self) -> signing.Trust | None:
@@ -136,6 +141,23 @@ class MemoryTier:
         self.saves += 1
         self._pending = self._executor.submit(self._commit, slot, buf, staged)
         return time.perf_counter() - t0
+
+    def prepare_saves(self) -> None:
+        """After the restore: on a GPU, page-lock the own slots in the background, so saves
+        copy device-to-host at full speed (the first save waits for this only if it comes
+        first)."""
+        if self.device_type == "cuda" and self._pending is None:
+            self._pending = self._executor.submit(self._pin_own_slots)
+
+    def _pin_own_slots(self) -> None:
+        for slot in mf.SLOTS:
+            buf = self.slots.map("own", self.rank, slot)
+            if buf is not None:
+                pinned = Pinned(buf, len(buf))
+                if pinned.ok:
+                    self._pinned.append(pinned)
+                else:
+                    self.log("memory tier: could not page-lock a slot; copies stay pageable")
 
     def wait(self) -> None:
         """Until the save in flight is committed (and exchanged); its error is logged."""
@@ -370,7 +392,10 @@ class MemoryTier:
             how += " (" + "; ".join(passed[:4]) + ")"
         if durable_step is not None:
             how += f" (durable tier: step {durable_step})"
-        return Plan(True, chosen, how, need, data, manifest, time.perf_counter() - t0)
+        slot = next((c.slot for c in self.slots.copies("own", self.rank)
+                     if c.manifest.step == chosen), None)
+        return Plan(True, chosen, how, need, data, manifest, time.perf_counter() - t0,
+                    slot=slot)
 
     def _transfer(self, need: list[int], step: int, held: dict[int, Copy], data: Any,
                   manifest: Any, problem: str | None) -> tuple[Any, Any, str | None, list]:
@@ -463,12 +488,19 @@ class MemoryTier:
                     local.copy_(src.view(local.shape), non_blocking=True)
             return target
 
+        buf = self.slots.map("own", self.rank, plan.slot) if self.pin_restore and \
+            plan.slot is not None else None
+        pinned = Pinned(buf, m.data_bytes) if buf is not None else None
         filled = {}
-        for key in m.keys:
-            template = state[key].state_dict()
-            filled[key] = mf.unflatten(tree[key], template, fill, key)
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()
+        try:
+            for key in m.keys:
+                template = state[key].state_dict()
+                filled[key] = mf.unflatten(tree[key], template, fill, key)
+            if self.device_type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            if pinned is not None:
+                pinned.release()
         for key in m.keys:
             state[key].load_state_dict(filled[key])
         self.last_step = plan.step
@@ -488,4 +520,8 @@ class MemoryTier:
         """Stop the commit thread (a save still in flight finishes, bounded by the group's
         timeout when a partner is gone) and unmap the slots."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pending is None or self._pending.done():
+            for pinned in self._pinned:
+                pinned.release()
+            self._pinned.clear()
         self.slots.close()

@@ -134,7 +134,7 @@ def parse_manifest(raw: bytes) -> MemoryManifest:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ValueError(f"manifest is not JSON: {str(exc)[:120]}") from None
     if not isinstance(data, dict):
-        raise ValueError("manifest is not a JSON object")
+        raise ValueError("manifest is not a JSON object")  # noqa: TRY004 - one error type
     try:
         return MemoryManifest.model_validate(data)
     except ValidationError as exc:

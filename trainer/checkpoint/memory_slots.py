@@ -117,3 +117,28 @@ def digest_of(data: memoryview | mmap.mmap, m: mf.MemoryManifest) -> str:
     for seg in [*m.segments, m.objects]:
         h.update(view[seg.offset:seg.offset + seg.nbytes])
     return "blake3:" + h.hexdigest()
+
+
+class Pinned:
+    """The first ``nbytes`` of a mapping page-locked for CUDA (``cudaHostRegister``), so
+    copies between it and a GPU run at full speed and asynchronously. ``release`` undoes
+    it. Anything that fails leaves the mapping pageable (slower copies, same bytes)."""
+
+    def __init__(self, buf: mmap.mmap, nbytes: int) -> None:
+        import ctypes
+
+        import torch
+
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(buf)
+        self._ptr = ctypes.addressof(self._anchor)
+        self.ok = torch.cuda.cudart().cudaHostRegister(self._ptr, nbytes, 0) == 0
+        if not self.ok:
+            self._anchor = None  # the export must go, or the mapping can never close
+
+    def release(self) -> None:
+        import torch
+
+        if self.ok:
+            torch.cuda.cudart().cudaHostUnregister(self._ptr)
+            self.ok = False
+        self._anchor = None
