@@ -42,6 +42,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from orchestrator.chaos import ChaosPlan
+
 TOKEN = "ORCH_TOKEN"
 AGENT_SOCKET = "ORCH_AGENT_SOCKET"
 CONFIG = "ORCH_CONFIG"
@@ -139,6 +143,15 @@ def get_json_object(env: Mapping[str, str], name: str) -> dict[str, Any]:
     return value
 
 
+def get_chaos(env: Mapping[str, str], name: str = CHAOS) -> ChaosPlan:
+    """The generation's fault-injection plan (``orchestrator.chaos.ChaosPlan``)."""
+    try:
+        return ChaosPlan.parse(env.get(name, "") or "{}")
+    except ValidationError as exc:
+        raise EnvError(name, env.get(name, ""), f"a chaos plan ({exc.errors()[0]['loc']}: "
+                                                f"{exc.errors()[0]['msg']})") from None
+
+
 def get_windows(env: Mapping[str, str], name: str = SKIP_WINDOWS) -> list[tuple[int, int]]:
     """``[[start, end], ...]`` with integer ``0 <= start <= end``."""
     expected = "a JSON list of [start, end] integer pairs with 0 <= start <= end"
@@ -168,7 +181,7 @@ class GenerationEnv:
     lr_scale: float = 1.0
     resume_max_step: int | None = None  # 0 is a limit too (start afresh)
     collective_timeout_s: float | None = None
-    chaos: dict[str, Any] = field(default_factory=dict)
+    chaos: ChaosPlan = field(default_factory=ChaosPlan)
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -177,7 +190,7 @@ class GenerationEnv:
             SKIP_WINDOWS: json.dumps([list(w) for w in self.skip_windows]),
             LR_SCALE: repr(float(self.lr_scale)),
             RESUME_MAX_STEP: "" if self.resume_max_step is None else str(self.resume_max_step),
-            CHAOS: json.dumps(self.chaos, allow_nan=False),
+            CHAOS: self.chaos.to_json(),
         }
         if self.checkpoint_root is not None:
             env[CHECKPOINT_ROOT] = self.checkpoint_root
@@ -198,7 +211,7 @@ class GenerationEnv:
             lr_scale=1.0 if lr is None else lr,
             resume_max_step=get_int(env, RESUME_MAX_STEP, None, minimum=0),
             collective_timeout_s=get_float(env, COLLECTIVE_TIMEOUT_S, None, positive=True),
-            chaos=get_json_object(env, CHAOS),
+            chaos=get_chaos(env),
         )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from orchestrator import chaos
 from orchestrator.worker import Worker, WorkerContext
 from trainer.backends import Backend, backend_for
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -253,12 +254,12 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                          restored.tier if restored else None,
                          fetched_from=restored.fetched_from if restored and not from_memory
                          else None)
-    chaos = ctx.chaos
-    parts = Parts(cfg, dctx, stepper, scheduler, loader, progress, checkpointer, state,
-                 worker, settings.checkpoint.interval_steps, log, guard,
-                 set(chaos.get("poison_batches") or []),
-                 float(chaos.get("slow_checkpoint_s") or 0.0),
-                 float(chaos.get("slow_first_step_s") or 0.0))
+    # Fault injection wraps the parts the loop drives (the state above keeps the real ones).
+    chaos_plan = ctx.chaos
+    parts = Parts(cfg, dctx, chaos.wrap_stepper(stepper, chaos_plan, dctx.rank), scheduler,
+                  chaos.wrap_loader(loader, chaos_plan), progress,
+                  chaos.wrap_checkpointer(checkpointer, chaos_plan), state,
+                  worker, settings.checkpoint.interval_steps, log, guard)
     parts.memory = memory
     parts.memory_interval = settings.checkpoint.memory_interval_steps or 0
     return parts

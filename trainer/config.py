@@ -212,8 +212,9 @@ class ParallelismConfig(_Section):
     strategy: Literal["fsdp2", "ddp", "deepspeed", "neuron", "none"] = Field(
         "fsdp2", description="fsdp2 (fully_shard), ddp, deepspeed (ZeRO), neuron, or none."
     )
-    backend: Literal["auto", "gloo", "nccl", "xla"] = Field(
-        "auto", description="torch.distributed backend (auto: nccl on CUDA, gloo on CPU)."
+    backend: Literal["auto", "gloo", "nccl", "xla", "neuron"] = Field(
+        "auto", description="torch.distributed backend (auto: nccl on CUDA, gloo on CPU, xla "
+                            "with device xla, neuron with device neuron)."
     )
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Recompute activations: none, selective (every other block), full."
@@ -319,7 +320,7 @@ def check_memory(cfg: TrainerConfig) -> None:
             raise FieldError("parallelism.offload", f"offload is implemented for fsdp2 and "
                                                     f"deepspeed, not {par.strategy!r}")
     if prec.fp8:
-        if cfg.device in ("cpu", "xla"):
+        if cfg.device in ("cpu", "xla", "neuron"):
             raise FieldError("precision.fp8", f"FP8 training needs an H100/H200-class CUDA "
                                               f"GPU; trainer.device is {cfg.device}")
         if par.strategy not in ("fsdp2", "ddp", "none"):
@@ -340,8 +341,44 @@ NO_SKIP_STEP = {
 }
 
 
+# The two Trainium paths: which SDK each needs, for the errors that name the other one.
+NXD_PATH = ("the NxD backend (trainer.device: xla, parallelism.strategy: neuron) is "
+            "neuronx-distributed on torch-xla, for Neuron SDK 2.31 or earlier")
+NATIVE_PATH = ("TorchNeuron (trainer.device: neuron with parallelism.strategy fsdp2, ddp or "
+               "none) is the native neuron device, Neuron SDK 2.33 or later on trn2/trn3")
+
+
+def check_device(cfg: TrainerConfig) -> None:
+    """The device against the strategy and the process-group backend (raises ``FieldError``):
+    the NxD path and the TorchNeuron path each refuse the other's settings with a hint."""
+    par = cfg.parallelism
+    if cfg.device == "neuron":
+        if par.strategy == "neuron":
+            raise FieldError("parallelism.strategy",
+                             f"strategy neuron with trainer.device neuron mixes the two "
+                             f"Trainium paths: {NXD_PATH}; {NATIVE_PATH}. To migrate, use "
+                             f"strategy fsdp2 (it shards parameters, gradients and optimizer "
+                             f"state: set tensor_parallel 1, zero_stage is not used)")
+        if par.strategy == "deepspeed":
+            raise FieldError("parallelism.strategy", f"DeepSpeed does not run on the neuron "
+                                                     f"device: {NATIVE_PATH}")
+        if par.backend not in ("auto", "neuron"):
+            raise FieldError("parallelism.backend", f"trainer.device neuron uses TorchNeuron's "
+                                                    f"neuron process-group backend (auto), "
+                                                    f"not {par.backend}")
+    elif par.backend == "neuron":
+        raise FieldError("parallelism.backend", f"the neuron process-group backend drives "
+                                                f"TorchNeuron's device: {NATIVE_PATH}")
+    if cfg.device == "xla" and par.strategy != "neuron":
+        raise FieldError("device", f"trainer.device xla serves strategy neuron only: "
+                                   f"{NXD_PATH}. AWS ended the torch-xla training flow with "
+                                   f"Neuron 2.32; for strategy {par.strategy} on Trainium, "
+                                   f"{NATIVE_PATH}: set trainer.device: neuron")
+
+
 def check_strategy(cfg: TrainerConfig) -> None:
     """Fields the chosen parallelism strategy cannot honour (raises ``FieldError``)."""
+    check_device(cfg)
     par = cfg.parallelism
     if par.tensor_parallel > 1 and par.strategy != "neuron":
         raise FieldError("parallelism.tensor_parallel",
@@ -350,8 +387,8 @@ def check_strategy(cfg: TrainerConfig) -> None:
     if par.strategy != "neuron":
         return
     if cfg.device != "xla":
-        raise FieldError("device", "strategy neuron runs on NeuronCores through torch-xla: "
-                                   "set trainer.device: xla")
+        raise FieldError("device", f"strategy neuron runs on NeuronCores through torch-xla: "
+                                   f"set trainer.device: xla ({NXD_PATH})")
     if par.backend not in ("auto", "xla"):
         raise FieldError("parallelism.backend", "strategy neuron uses the xla backend")
     if par.zero_stage > 1:
@@ -398,8 +435,12 @@ class TrainerConfig(_Section):
 
     steps: int = Field(200, gt=0, description="Optimizer steps of the whole run.")
     seed: int = Field(0, description="Seed of weight init and of every RNG.")
-    device: Literal["auto", "cpu", "cuda", "xla"] = Field(
-        "auto", description="Where ranks compute (auto: cuda when present, else cpu)."
+    device: Literal["auto", "cpu", "cuda", "xla", "neuron"] = Field(
+        "auto", description=(
+            "Where ranks compute (auto: cuda when present, else cpu). neuron: Trainium's "
+            "native PyTorch device (TorchNeuron, Neuron SDK 2.33+, trn2/trn3) with strategy "
+            "fsdp2, ddp or none. xla: Trainium through torch-xla, for strategy neuron (NxD, "
+            "Neuron SDK 2.31 or earlier)."),
     )
     deterministic: bool = Field(
         True, description="Deterministic algorithms (bit-exact resume on CPU)."

@@ -1,6 +1,6 @@
 """The training loop. It receives built parts; it builds nothing itself.
 
-``train_step`` owns what every backend shares: the batch, the chaos poison scale, the
+``train_step`` owns what every backend shares: the batch (and its loss scale), the
 learning rate, the skip-step verdict's inputs, progress and the step record. The backend's
 ``Stepper`` (``trainer.backends``) owns forward, backward, the gradient norm and the update.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -20,10 +20,6 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import TrainerConfig
 from trainer.distributed import DistContext
 from trainer.state import tensors_digest
-
-# A poisoned batch (chaos) scales its loss, hence its gradients, by this much: a gradient
-# explosion the stability detectors must catch, reproducible from the batch index alone.
-POISON_SCALE = 1e4
 
 
 @dataclass
@@ -40,9 +36,6 @@ class Parts:
     checkpoint_interval: int
     log: Callable[[str], None]
     skip_guard: Any = None  # stability.SkipStepGuard when a rule asks for skip_step
-    poison_batches: set[int] = field(default_factory=set)
-    slow_checkpoint_s: float = 0.0  # chaos: extra blocking time per save
-    slow_first_step_s: float = 0.0  # chaos: extra time in each generation's first step
     startup: dict[str, float | None] | None = None  # wall times of start-up milestones
     memory: Any = None  # trainer.checkpoint.memory.MemoryTier when the memory tier is on
     memory_interval: int = 0
@@ -57,7 +50,7 @@ def train_step(p: Parts) -> dict[str, Any]:
     t0 = time.perf_counter()
     batch = p.loader.next_batch()
     data_s = time.perf_counter() - t0
-    scale = POISON_SCALE if batch.index in p.poison_batches else 1.0
+    scale = batch.loss_scale
     next_step = p.progress.step + 1
     lr = p.scheduler.get_last_lr()[0]  # the LR this step's update uses
     decide: Decide | None = None
@@ -105,8 +98,6 @@ def train(p: Parts) -> None:
     first = True
     while p.progress.step < cfg.steps:
         rec = train_step(p)
-        if first and p.slow_first_step_s:
-            time.sleep(p.slow_first_step_s)
         if first and p.startup is not None and p.dctx.is_main:
             # Where a (re)start's seconds went: process start, imports, process group,
             # build + restore, first step (the recovery benchmark reads this).
@@ -116,8 +107,6 @@ def train(p: Parts) -> None:
         stop = _stop_requested(p)
         if step % p.checkpoint_interval == 0 or step == cfg.steps or stop:
             with p.worker.phase("checkpointing"):
-                if p.slow_checkpoint_s:
-                    time.sleep(p.slow_checkpoint_s)
                 rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
                                                           p.progress.tokens)
         if p.memory is not None and (step % p.memory_interval == 0 or stop):

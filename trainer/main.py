@@ -12,6 +12,7 @@ import time
 import warnings
 
 import orchestrator.worker as ow
+from orchestrator import chaos
 from orchestrator import envcontract as ec
 
 
@@ -55,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     worker = ow.init()
     ctx = worker.ctx
     log = _log(ctx.rank)
-    if ctx.chaos.get("fail_at_start_rank") == ctx.rank:
-        log("chaos: failing at start-up (chaos.fail_at_start_rank)")
-        return 3
+    code = chaos.start_exit_code(ctx.chaos, ctx.rank)
+    if code is not None:
+        log(chaos.START_FAILURE)
+        return code
 
     from trainer.build import build_parts
     from trainer.distributed import init_distributed, teardown

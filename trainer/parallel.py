@@ -29,11 +29,14 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, device_type: str) -> None:
     # In place (Module.compile): torch.compile(block) would add "_orig_mod." to every
-    # state-dict key and break checkpoints made without compile.
+    # state-dict key and break checkpoints made without compile. The compiler backend is the
+    # device's (trainer.backends.torchneuron: "neuron" on Trainium's native device).
+    from trainer.backends.torchneuron import compile_kwargs
+
     for block in model.layers:
-        block.compile()
+        block.compile(**compile_kwargs(device_type))
 
 
 def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
@@ -89,7 +92,7 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
                          "module as is: see trainer.backends")
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile:
-        apply_compile(model)
+        apply_compile(model, dctx.device.type)
     offload = strategy == "fsdp2" and dctx.distributed and par.offload == "params"
     if strategy == "fsdp2" and dctx.distributed:
         apply_fsdp(model, par, prec, dctx.world_size)

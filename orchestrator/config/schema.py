@@ -7,6 +7,7 @@ keys, so a typo is an error naming its dotted path, never a silently ignored set
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -82,7 +83,7 @@ class JobConfig(Section):
     @classmethod
     def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
         # The checkpoint signing key too (its *file*'s path, ORCH_CHECKPOINT_KEY_FILE, is fine).
-        secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.I)
+        secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.IGNORECASE)
                   or k.upper() == "ORCH_CHECKPOINT_KEY"]
         if secret:
             raise ValueError(
@@ -351,11 +352,27 @@ class ChaosConfig(Section):
         None, ge=0, description="This rank exits with code 3 at start-up, every time."
     )
     slow_checkpoint_s: float = Field(
-        0.0, ge=0, description="Every save blocks training this much longer (tests timeouts)."
+        0.0, ge=0, le=3600, description="Every save blocks training this much longer (tests timeouts)."
     )
     slow_first_step_s: float = Field(
-        0.0, ge=0, description="Each generation's first step takes this much longer."
+        0.0, ge=0, le=3600, description="Each generation's first step takes this much longer."
     )
+    slow_final_commit_s: float = Field(
+        0.0, ge=0, le=3600,
+        description="The final save's commit (after the last step) takes this much longer.",
+    )
+    slow_ranks: dict[int, float] = Field(
+        default_factory=dict,
+        description="rank -> seconds added to each of its steps (a straggler).",
+    )
+
+    @field_validator("slow_ranks")
+    @classmethod
+    def _slow_ranks(cls, v: dict[int, float]) -> dict[int, float]:
+        for rank, s in v.items():
+            if rank < 0 or not math.isfinite(s) or not 0 <= s <= 3600:
+                raise ValueError(f"rank {rank}: {s} s (ranks >= 0, seconds in [0, 3600])")
+        return v
 
 
 class Config(Section):
@@ -398,4 +415,19 @@ class Config(Section):
             raise FieldError(
                 "trainer.parallelism.backend", "nccl needs cluster.accelerator: cuda"
             )
+        if self.trainer.device == "neuron":
+            self._check_torchneuron()
         return self
+
+    def _check_torchneuron(self) -> None:
+        """TorchNeuron ranks on nodes the Neuron health checks examine, without the torch-xla
+        settings of a configuration written for the NxD backend."""
+        if self.cluster.accelerator != "neuron":
+            raise FieldError("cluster.accelerator", "trainer.device neuron needs "
+                                                    "cluster.accelerator: neuron (the Neuron "
+                                                    "health checks run on those nodes)")
+        xla = sorted(k for k in self.job.env if k.startswith("XLA_") or k == "PJRT_DEVICE")
+        if xla:
+            raise FieldError("job.env", f"{', '.join(xla)} configure torch-xla, which "
+                                        "TorchNeuron (trainer.device: neuron) does not use; "
+                                        "they belong to the NxD backend (trainer.device: xla)")

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import IO, Any
 
+from orchestrator import chaos
 from orchestrator.health import catalog
 from orchestrator.health.base import CheckResult, Outcome, failed
 from orchestrator.health.context import NodeContext
@@ -30,18 +31,18 @@ def run_one(ctx: NodeContext, name: str) -> CheckResult:
     """Run one check in this process; an exception is the check's failure, not ours."""
     check = catalog.get(name)
     start = time.perf_counter()
-    if name in ctx.chaos_hang:
-        while True:  # health.chaos.hang: stand for a check stuck in a driver call
-            time.sleep(3600)
-    try:
-        if check.fn is None:
-            raise RuntimeError(f"{name} is not a node check")
-        outcome: Outcome = resolve(check.fn)(ctx)
-    except Exception as exc:  # noqa: BLE001 - any error of a check is its result
-        outcome = failed(f"{type(exc).__name__}: {exc}")
-    if name in ctx.chaos_fail:
-        outcome = failed(f"forced to fail by health.chaos.fail (the check said: "
-                         f"{outcome.message})", **outcome.details)
+
+    def attempt() -> Outcome:
+        try:
+            if check.fn is None:
+                raise RuntimeError(f"{name} is not a node check")
+            outcome: Outcome = resolve(check.fn)(ctx)
+        except Exception as exc:  # noqa: BLE001 - any error of a check is its result
+            outcome = failed(f"{type(exc).__name__}: {exc}")
+        return outcome
+
+    outcome = chaos.wrap_check(attempt, hang=name in ctx.chaos_hang,
+                               fail=name in ctx.chaos_fail, failed=failed)()
     return CheckResult.of(check, ctx.node_id, ctx.level, outcome,
                           time.perf_counter() - start)
 

@@ -23,21 +23,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from orchestrator import chaos
 from orchestrator.envcontract import read_health_env
 from orchestrator.health.network import ring_rounds
 
 
 def _timed(op: Any, iters: int, warmup: int, delay_s: float, sync: Any) -> float:
-    """Median seconds of one ``op()`` (the injected delay inside the timed region)."""
+    """Median seconds of one ``op()`` (chaos's injected delay inside the timed region)."""
     for _ in range(warmup):
         op()
     sync()
+    slow = chaos.slowed(op, delay_s)
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        if delay_s:
-            time.sleep(delay_s)
-        op()
+        slow()
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)

@@ -105,7 +105,6 @@ class GenerationParts:
 
     def generation_env(self, generation: int) -> dict[str, str]:
         """What a generation's ranks need beyond torch.distributed's variables."""
-        chaos = self.cfg.chaos
         # The S3 endpoint (MinIO, ...) as botocore reads it, so every S3 client of a rank
         # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
         endpoint = self.cfg.checkpoint.endpoint_url
@@ -133,11 +132,7 @@ class GenerationParts:
                 resume_max_step=resume_max,
                 collective_timeout_s=collective_timeout_s(self.cfg.timeouts,
                                                           self.intake.training_timeout),
-                chaos={"poison_batches": chaos.poison_batches,
-                       "fail_at_start_rank": chaos.fail_at_start_rank,
-                       "slow_checkpoint_s": chaos.slow_checkpoint_s,
-                       "slow_first_step_s": chaos.slow_first_step_s,
-                       "kills": self.intake.chaos.pending()},
+                chaos=self.intake.chaos.plan(),
             ).to_env(),
         }
 

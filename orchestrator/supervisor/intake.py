@@ -35,7 +35,7 @@ from orchestrator.protocol import (
     WorkerEvent,
 )
 from orchestrator.state import Cause, JobState, NodeState
-from orchestrator.supervisor.chaos import ChaosDriver
+from orchestrator.chaos import ChaosDriver
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry

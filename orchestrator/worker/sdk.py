@@ -20,12 +20,14 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import chaos as chaos_
 from orchestrator import envcontract as ec
+from orchestrator.chaos import ChaosPlan
 
 PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating")
 
@@ -55,7 +57,7 @@ class WorkerContext:
     resume_max_step: int | None = None
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
     lr_scale: float = 1.0
-    chaos: dict[str, Any] = field(default_factory=dict)
+    chaos: ChaosPlan = field(default_factory=ChaosPlan)
     memory_dir: str | None = None  # the node's memory tier (set by the agent when on)
 
     @classmethod
@@ -107,14 +109,14 @@ class Worker:
         # preload hook counts optimizer steps; the script has not called the SDK).
         self.progress = "sdk"
         self.checkpoint_requested = False  # set by CHECKPOINT_REQUEST_SIGNAL
-        self._kills = [k for k in self.ctx.chaos.get("kills", []) if k.get("rank") ==
-                       self.ctx.rank]
+        self._on_step: list[Callable[[int], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Worker:
         if self.ctx.managed and self._thread is None:
             self._install_stack_dump()
             self._install_checkpoint_request()
+            chaos_.arm_worker(self, self.ctx.chaos, self.ctx.rank)
             self._thread = threading.Thread(target=self._beat_loop, name="orch-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -183,8 +185,8 @@ class Worker:
                 self._records.append({"step": step, "ts": now, **_plain(metrics)})
                 if len(self._records) > _MAX_RECORDS:
                     del self._records[: len(self._records) - _MAX_RECORDS]
-        if self._kills:
-            self._maybe_inject(step)
+        for hook in self._on_step:
+            hook(step)
 
     def optimizer_stepped(self, count: int) -> None:
         """The preload hook's report: ``count`` optimizer steps this generation. Ignored once
@@ -192,13 +194,14 @@ class Worker:
         if self.progress == "hook":
             self._record_step(count, {})
 
-    def _maybe_inject(self, step: int) -> None:
-        """Chaos from the orchestrator: signal this process right after ``step``."""
-        for kill in self._kills:
-            if kill.get("rank") == self.ctx.rank and kill.get("step") == step:
-                self._beat()  # the supervisor sees the step the kill landed on
-                self.event("chaos", **kill)  # marks it fired before we die
-                os.kill(os.getpid(), getattr(signal, str(kill.get("signal", "SIGKILL"))))
+    def on_step(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(step)`` in the training thread right after each step is recorded
+        (how ``orchestrator.chaos`` lands a kill on an exact step)."""
+        self._on_step.append(hook)
+
+    def beat_now(self) -> None:
+        """Send the latest record to the agent now, not at the next interval."""
+        self._beat()
 
     def set_phase(self, name: str) -> None:
         if name not in PHASES:

@@ -1,5 +1,8 @@
 """The native backend: FSDP2, DDP or a single replica, on plain torch.distributed.
 
+It runs on CPU, CUDA and Trainium's native ``neuron`` device (TorchNeuron: what differs there,
+the device, the process group and the compiler backend, is ``trainer.backends.torchneuron``).
+
 The model is sharded or wrapped by ``trainer.parallel.parallelize``; the step is plain torch
 (gradient sync only on the last micro-batch, our ``clip_grad_norm_``, then the optimizer
 unless a ``skip_step`` rule says no); checkpoints are DCP (``trainer.state``).
@@ -16,6 +19,7 @@ from torch import nn
 
 from stability.norms import clip_grad_norm_, param_norm
 from trainer.backends.base import Backend, Decide, MicroBatches, StepOutcome, lm_loss, mean_loss
+from trainer.backends.torchneuron import compile_kwargs
 from trainer.distributed import DistContext
 
 if TYPE_CHECKING:
@@ -50,7 +54,8 @@ class TorchStepper:
                          if p.requires_grad or cfg.finetune is None]
         # Compiled, the upcast and the log-softmax fuse: the fp32 logits (4 bytes x vocab x
         # tokens, 1 GB for the 1.14B model's batch) are never materialised.
-        self.loss_fn = torch.compile(lm_loss) if cfg.parallelism.compile else lm_loss
+        self.loss_fn = torch.compile(lm_loss, **compile_kwargs(device.type)) \
+            if cfg.parallelism.compile else lm_loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP2 casts through its mixed-precision policy; DDP and none use autocast.

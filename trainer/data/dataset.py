@@ -21,7 +21,7 @@ import torch
 
 from trainer.data.prepare import INDEX_NAME, INDEX_VERSION, ensure_dataset, local_path
 
-__all__ = ["TokenShards", "Batch", "ResumableLoader", "ensure_dataset"]
+__all__ = ["Batch", "ResumableLoader", "TokenShards", "ensure_dataset"]
 
 
 class _LocalShard:
@@ -142,6 +142,7 @@ class Batch:
 
     index: int
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    loss_scale: float = 1.0  # the loss (hence gradients) times this; chaos poisons with it
 
     @property
     def tokens(self) -> int:

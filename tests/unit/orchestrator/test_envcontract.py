@@ -13,13 +13,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator import envcontract as ec
+from orchestrator.chaos import ChaosPlan, StepKill
 from orchestrator.agent.rank_env import read_error_file
 
 windows = st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 10**6)).map(
     lambda t: (t[0], t[0] + t[1])), max_size=5)
 json_scalars = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=20)
-chaos = st.dictionaries(st.text(max_size=10), json_scalars | st.lists(json_scalars, max_size=3),
-                        max_size=4)
+_seconds = st.floats(0, 3600, allow_nan=False)
+chaos = st.builds(
+    ChaosPlan,
+    kills=st.lists(st.builds(StepKill, id=st.text(max_size=64), rank=st.integers(0, 10**6),
+                             step=st.integers(1, 10**9),
+                             signal=st.sampled_from(["SIGKILL", "SIGTERM", "SIGSEGV", "SIGSTOP"])),
+                   max_size=3),
+    poison_batches=st.lists(st.integers(0, 10**9), max_size=3),
+    fail_at_start_rank=st.none() | st.integers(0, 10**6), slow_checkpoint_s=_seconds,
+    slow_final_commit_s=_seconds, slow_first_step_s=_seconds,
+    slow_ranks=st.dictionaries(st.integers(0, 10**6), _seconds, max_size=3))
 
 
 @settings(max_examples=200, deadline=None)

@@ -6,7 +6,7 @@ from orchestrator.config.schema import ChaosConfig, KillSpec, RestartConfig
 from orchestrator.jobview import JobView
 from orchestrator.protocol import RegisterRequest
 from orchestrator.state import NodeState
-from orchestrator.supervisor.chaos import ChaosDriver
+from orchestrator.chaos import ChaosDriver
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import place
 from orchestrator.supervisor.policy import RestartPolicy
@@ -83,9 +83,9 @@ def test_chaos_step_kills_fire_once_and_resolve_random_ranks_from_the_seed() -> 
     a = ChaosDriver(cfg, world_size=4, fired=set())
     b = ChaosDriver(cfg, world_size=4, fired=set())
     assert a.pending() == b.pending()  # a restarted supervisor resolves the same ranks
-    assert [k["id"] for k in a.pending()] == ["kill-0", "kill-1"]
+    assert [k.id for k in a.pending()] == ["kill-0", "kill-1"]
     a.mark_fired("kill-0")
-    assert [k["id"] for k in a.pending()] == ["kill-1"]
+    assert [k.id for k in a.pending()] == ["kill-1"]
     c = ChaosDriver(cfg, world_size=4, fired={"kill-0", "kill-1"})
     assert c.pending() == []
 
