@@ -30,6 +30,7 @@ of the fresh state dict and hands the filled state to each part's ``load_state_d
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import io
 import mmap
 import time
@@ -56,6 +57,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+# Host copies go through memmove: torch's copy_ into a tensor over the mapping runs on its
+# OpenMP threads, which on a busy host crawled at 30-100 MB/s where one memmove did 4+ GB/s
+# (37.6 MiB of state: ~1 s against 8 ms). Device tensors keep copy_ (cudaMemcpy).
+def _to_slot(buf: Any, offset: int, src: torch.Tensor, nbytes: int) -> None:
+    """Copy ``src``'s ``nbytes`` (contiguous) into ``buf`` at ``offset``."""
+    if src.device.type == "cpu":
+        anchor = ctypes.c_char.from_buffer(buf, offset)
+        ctypes.memmove(ctypes.addressof(anchor), src.data_ptr(), nbytes)
+        del anchor
+    else:
+        dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+
+
+def _from_slot(data: Any, offset: int, dst: torch.Tensor, dtype: torch.dtype) -> None:
+    """Copy the segment at ``offset`` into ``dst`` (shape and dtype already checked)."""
+    nbytes = dst.numel() * dst.element_size()
+    if dst.device.type == "cpu" and dst.is_contiguous():
+        anchor = ctypes.c_char.from_buffer(data, offset)
+        ctypes.memmove(dst.data_ptr(), ctypes.addressof(anchor), nbytes)
+        del anchor
+    else:
+        src = torch.frombuffer(data, dtype=dtype, count=dst.numel(), offset=offset)
+        dst.copy_(src.view(dst.shape), non_blocking=True)
 
 
 @dataclass
@@ -204,10 +231,7 @@ class MemoryTier:
         with torch.no_grad():
             for t, seg in zip(tensors, segments, strict=True):
                 if seg.nbytes:
-                    dst = torch.frombuffer(buf, dtype=torch.uint8, count=seg.nbytes,
-                                           offset=seg.offset)
-                    src = _local(t).detach().contiguous().reshape(-1).view(torch.uint8)
-                    dst.copy_(src, non_blocking=True)
+                    _to_slot(buf, seg.offset, _local(t).detach().contiguous(), seg.nbytes)
         if self.device_type == "cuda":
             torch.cuda.synchronize()  # the copies must land before training moves on
         buf[offset:end] = blob
@@ -482,10 +506,8 @@ class MemoryTier:
                 raise ValueError(f"{path}: {seg.dtype}{seg.shape} in memory, "
                                  f"{_dtype_name(local)}{list(local.shape)} here")
             if seg.nbytes:
-                src = torch.frombuffer(data, dtype=getattr(torch, seg.dtype),
-                                       count=local.numel(), offset=seg.offset)
                 with torch.no_grad():
-                    local.copy_(src.view(local.shape), non_blocking=True)
+                    _from_slot(data, seg.offset, local, getattr(torch, seg.dtype))
             return target
 
         buf = self.slots.map("own", self.rank, plan.slot) if self.pin_restore and \
