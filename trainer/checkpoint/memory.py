@@ -129,6 +129,7 @@ class MemoryTier:
         self.last_step: int | None = None
         self.last_bytes = 0
         self.staged_step: int | None = None
+        self.last_copy_s = 0.0
         self.saves = 0
         self.disabled_reason: str | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
@@ -506,14 +507,17 @@ class MemoryTier:
                 raise ValueError(f"{path}: {seg.dtype}{seg.shape} in memory, "
                                  f"{_dtype_name(local)}{list(local.shape)} here")
             if seg.nbytes:
+                c0 = time.perf_counter()
                 with torch.no_grad():
                     _from_slot(data, seg.offset, local, getattr(torch, seg.dtype))
+                self.last_copy_s += time.perf_counter() - c0
             return target
 
         buf = self.slots.map("own", self.rank, plan.slot) if self.pin_restore and \
             plan.slot is not None else None
         pinned = Pinned(buf, m.data_bytes) if buf is not None else None
         filled = {}
+        self.last_copy_s = 0.0  # of the load: the copies alone (the rest: the templates)
         try:
             for key in m.keys:
                 template = state[key].state_dict()
