@@ -135,7 +135,7 @@ def memory_round(preset: str, device: str, run: Path, shm: Path,
         state, model = build(preset, device, 0)
         tier = make()
         t0 = time.perf_counter()
-        tier.prepare_saves()  # a GPU's slots page-locked in the background after start-up
+        tier.prepare_saves(state)  # slots faulted in (and page-locked) after start-up
         tier.wait()
         pin_s = time.perf_counter() - t0
         sync(device)

@@ -233,7 +233,8 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         load_s += time.perf_counter() - t0
     if memory is not None:
         memory.invalidate_after(progress.step)  # newer copies: an abandoned future
-        memory.prepare_saves()
+        if progress.step > 0:  # restored: the optimizer has its state (see the method)
+            memory.prepare_saves(state)
         tier_note = _restore_tier(plan, choice, load_s)
         if dctx.is_main:
             worker.event("restore_tier", **tier_note)
