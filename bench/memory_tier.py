@@ -173,11 +173,13 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--shm", default="/dev/shm", help="where the memory tier's slots go")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (configs/local.yaml's trainer.num_threads: 1)")
     ap.add_argument("--pin-restore", action="store_true",
                     help="page-lock the slot for the restore's host-to-device copies (CUDA)")
     ap.add_argument("--out", default=None, help="file name under bench/results")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     rounds: dict[str, list[dict[str, float]]] = {"durable": [], "memory": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
@@ -192,6 +194,7 @@ def main() -> int:
     if args.device == "cuda":
         device = f"cuda: {torch.cuda.get_device_name(0)}"
     report = {**header(device), "preset": args.preset, "repeat": args.repeat,
+              "threads": args.threads,
               "pin_restore": args.pin_restore,
               "state_bytes": med["memory"]["bytes"], "median": med,
               "speedup_restore": round(med["durable"]["restore_s"] /
