@@ -139,7 +139,6 @@ class MemoryTier:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
         self._pending: concurrent.futures.Future | None = None
 
-
     @property
     def trust(self) -> signing.Trust | None:
         return self._trust()
