@@ -2,7 +2,8 @@
 # Runs the GPU benchmarks and tests on a lent GPU machine (no network there: the Python
 # packages the GPU image lacks travel as wheels in .whl/). Part A: GPU tests + throughput/MFU.
 # B: checkpoint stall. C: time to recover under `orchestrator up`. D: accelerator health checks.
-#   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D
+# F: FP8 vs bf16 loss curves. G: DeepSpeed ZeRO-Offload (issue 18).
+#   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D|E|F|G
 # (results under bench/results/, copied to $OUT when set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +51,18 @@ elif [ "$part" = E ]; then
     --set restart.backoff_initial_s=0.5 --kill-step 290 --stop-step 390 \
     --out recovery-warm-h100.json 2>&1 | tail -45
   cp bench/results/recovery-warm-h100.json "$out/" 2>/dev/null
+elif [ "$part" = F ]; then
+  # Issue 18: FP8 vs bf16 with 300-step loss curves (~4 min on one H100).
+  python3 bench/offload_fp8_gpu.py --parts fp8 --curve 300 \
+    --out offload-fp8-gpu-h100-fp8.json 2>&1 | tail -4
+  cp bench/results/offload-fp8-gpu-h100-fp8.json "$out/" 2>/dev/null
+elif [ "$part" = G ]; then
+  # Issue 18: DeepSpeed without offload vs ZeRO-Offload (stage 2 optimizer, stage 3 params);
+  # needs deepspeed importable: carry its wheel in .whl/ (pip wheel --no-deps
+  # deepspeed==0.19.8, plus hjson, py-cpuinfo, msgpack, ninja, einops). Skips, saying so, else.
+  python3 bench/offload_fp8_gpu.py --parts deepspeed \
+    --out offload-deepspeed-gpu-h100.json 2>&1 | tail -8
+  cp bench/results/offload-deepspeed-gpu-h100.json "$out/" 2>/dev/null
 else
   python3 bench/gpu_health.py 2>&1 | tail -10
   cp bench/results/health-*.json "$out/" 2>/dev/null

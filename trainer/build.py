@@ -6,6 +6,7 @@ comes from the strategy's backend (``trainer.backends``); the wiring here is the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -188,16 +189,13 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         choice = None if plan is not None and plan.use else \
             checkpointer.choose(max_step=ctx.resume_max_step)
         load_s = time.perf_counter() - t0
-    model = backend.build_model(settings, dctx)
+    # Fine-tuning: the backend loads the frozen base (model.init_from_hf) while it builds.
+    with worker.phase("loading") if cfg.finetune is not None else contextlib.nullcontext():
+        model = backend.build_model(settings, dctx)
     if cfg.finetune is not None:
-        from trainer.finetune import prepare_base, trainable_counts
+        from trainer.finetune import summary
 
-        # Every start, resumed or not: checkpoints hold the adapters only.
-        with worker.phase("loading"):
-            prepare_base(model, cfg.finetune, str(cfg.model.init_from_hf))
-        trainable, total = trainable_counts(model)
-        log(f"{cfg.finetune.method}: base from {cfg.model.init_from_hf}, {trainable:,} of "
-            f"{total:,} parameters train (rank {cfg.finetune.rank})")
+        log(summary(model, cfg.finetune, str(cfg.model.init_from_hf)))
     elif choice is None and cfg.model.init_from_hf:
         with worker.phase("loading"):
             backend.load_pretrained(model, cfg.model.init_from_hf)

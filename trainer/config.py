@@ -8,6 +8,7 @@ Field descriptions feed ``orchestrator validate`` and ``--help``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -288,20 +289,34 @@ def check_finetune(cfg: TrainerConfig) -> None:
                                           "peft's layers wrap plain linears")
     if ft.method != "qlora":
         return
-    if cfg.parallelism.strategy == "fsdp2":
-        raise FieldError("finetune.method", "qlora runs with strategy ddp or none: the NF4 "
-                                            "base is not sharded by FSDP2 here (use lora)")
     args = resolve_model_args(cfg.model)
     q = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     shapes = {"wqkv": (q, args.dim), "wo": (args.dim, args.n_heads * args.head_dim),
               "w13": (2 * args.ffn_dim, args.dim), "w2": (args.dim, args.ffn_dim)}
-    block = ft.nf4_block_size * ft.nf4_scaler_block_size
     for name in ft.target_modules:
-        rows, cols = shapes[name]
-        if (rows * cols) % block:
-            raise FieldError("finetune.nf4_scaler_block_size",
-                             f"{name} has {rows * cols} values, not a multiple of "
-                             f"nf4_block_size x nf4_scaler_block_size ({block})")
+        # The FSDP2 world size is known at start only: the trainer checks the shards then.
+        problem = nf4_shard_problem(shapes[name], ft, 1)
+        if problem:
+            raise FieldError("finetune.nf4_scaler_block_size", f"{name}: {problem}")
+
+
+def nf4_shard_problem(shape: tuple[int, ...], ft: FinetuneConfig, shards: int) -> str | None:
+    """Why a weight of ``shape`` cannot be an NF4 tensor sharded ``shards`` ways (None: it can).
+
+    torchao splits the NF4 codes, the per-block scales and the double-quantised scalers into
+    ``shards`` equal dim-0 chunks (no padding), so the rows and the number of scaler blocks
+    (values / (nf4_block_size x nf4_scaler_block_size)) must both divide by ``shards``.
+    """
+    rows, values = shape[0], math.prod(shape)
+    block = ft.nf4_block_size * ft.nf4_scaler_block_size
+    if values % block:
+        return (f"{values} values are not a multiple of nf4_block_size x "
+                f"nf4_scaler_block_size ({block})")
+    if shards > 1 and (rows % shards or (values // block) % shards):
+        return (f"{rows} rows and {values // block} NF4 scaler blocks do not both split into "
+                f"{shards} FSDP2 shards: lower finetune.nf4_scaler_block_size (or the world "
+                f"size)")
+    return None
 
 
 def check_memory(cfg: TrainerConfig) -> None:

@@ -106,6 +106,7 @@ class NativeBackend(Backend):
         self.settings = settings
 
     def build_model(self, settings: WorkerSettings, dctx: DistContext) -> nn.Module:
+        """The model to train; under LoRA/QLoRA with the frozen base loaded (and in NF4)."""
         from trainer import model as model_mod
         from trainer.parallel import parallelize
         from trainer.presets import resolve_model_args
@@ -116,11 +117,25 @@ class NativeBackend(Backend):
             from trainer.precision import fp8
 
             fp8.convert(model, dctx.device, fsdp=self._fsdp(settings, dctx))
-        if cfg.finetune is not None:
-            from trainer.finetune import add_adapters
+        if cfg.finetune is None:
+            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+        from trainer.finetune import add_adapters, prepare_base
 
-            model = add_adapters(model, cfg.finetune)
-        return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+        model = add_adapters(model, cfg.finetune)
+        nf4_sharded = cfg.finetune.method == "qlora" and self._fsdp(settings, dctx)
+
+        def load_base(m: nn.Module) -> None:
+            # Every start, resumed or not: checkpoints hold the adapters only.
+            prepare_base(m, cfg.finetune, str(cfg.model.init_from_hf),
+                         shards=dctx.world_size if nf4_sharded else 1)
+
+        if nf4_sharded:
+            # NF4 before fully_shard: FSDP2 shards torchao's NF4 tensors as they are.
+            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed,
+                               before_shard=load_base)
+        model = parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+        load_base(model)
+        return model
 
     @staticmethod
     def _fsdp(settings: WorkerSettings, dctx: DistContext) -> bool:
