@@ -46,7 +46,6 @@ from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
 from trainer.checkpoint.memory_slots import Copy, Pinned, Slots, digest_of
 
-
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
 
 
@@ -190,8 +189,8 @@ class MemoryTier:
             return
         self._prepared = True
         tensors: list[torch.Tensor] = []
-        for key in state:
-            mf.flatten(state[key].state_dict(), tensors, _is_tensor)
+        for part in state.values():
+            mf.flatten(part.state_dict(), tensors, _is_tensor)
         nbytes = sum(mf.aligned(_local(t).numel() * _local(t).element_size())
                      for t in tensors) + 2**20  # and the object tree
         self._pending = self._executor.submit(self._prepare_slots, nbytes)
