@@ -440,6 +440,35 @@ class Straggler(Event):
     peer_data_wait_s: Seconds | None = None
     window_s: Seconds | None = None
     reason: Text | None = None
+class RestoreTier(Event):
+    """Which checkpoint tier a generation restored from (memory, memory_partner: some ranks
+    from their partner node's copy, durable, none) and why it passed faster ones over."""
+
+    kind: Literal["restore_tier"] = "restore_tier"
+    generation: Gen | None = None
+    rank: Rank | None = None
+    node_id: Name | None = None
+    tier: Literal["memory", "memory_partner", "durable", "none"]
+    step: Step
+    reason: Text
+    durable_step: Step | None = None
+    partner_ranks: list[Rank] = Field(default_factory=list, max_length=4096)
+    load_s: Seconds | None = None
+    verify_s: Seconds | None = None
+
+
+class MemoryTier(Event):
+    """What the memory tier holds: one rank's copy, and rank 0's node in all."""
+
+    kind: Literal["memory_tier"] = "memory_tier"
+    generation: Gen | None = None
+    rank: Rank | None = None
+    node_id: Name | None = None
+    step: Step
+    bytes: Count
+    node_bytes: Count
+    node_budget_bytes: Count
+    partner: bool = False
 
 
 class MessageRejected(Event):
@@ -466,7 +495,7 @@ AnyEvent = Annotated[Union[  # noqa: UP007 (a discriminated union needs Union he
     RankExited, RanksExited, Failure, CheckpointCommitted, CheckpointPruned, FirstStep,
     Progress, Calibration, Chaos, StabilityFired, Rollback, HealthRound, HealthResult, WorkerNote,
     MessageRejected, JournalSkipped, ProfileRequested, ProfileWritten, ProfileFailed,
-    Straggler], Field(discriminator="kind")]
+    Straggler, RestoreTier, MemoryTier], Field(discriminator="kind")]
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
 _MODELS: dict[str, type[Event]] = {}

@@ -73,6 +73,8 @@ class JobView:
     profiles: dict[int, dict[str, Any]] = field(default_factory=dict)
     stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)  # named now, by node
     straggler_log: list[dict[str, Any]] = field(default_factory=list)  # the newest 100
+    memory_tier: dict[str, Any] | None = None  # the newest memory_tier report
+    restore_tiers: list[dict[str, Any]] = field(default_factory=list)  # per generation
 
     @classmethod
     def from_events(cls, events: Iterable[Envelope | dict[str, Any]]) -> JobView:
@@ -100,6 +102,14 @@ class JobView:
         self.checkpoint_root = e.checkpoint_root
         self.own_script = e.own_script
         self.created_ts = ts
+
+    def _on_memory_tier(self, e: ev.MemoryTier, ts: float) -> None:
+        self.memory_tier = {**e.fields(), "ts": ts}
+
+    def _on_restore_tier(self, e: ev.RestoreTier, ts: float) -> None:
+        self.restore_tiers.append({k: v for k, v in e.fields().items()
+                                   if k in ("generation", "tier", "step", "reason")})
+        del self.restore_tiers[:-20]
 
     def _on_supervisor_started(self, e: ev.SupervisorStarted, ts: float) -> None:
         self.supervisor_starts.append({"ts": ts, "pid": e.pid, "resumed": e.resumed})

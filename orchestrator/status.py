@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from collections.abc import Iterator
-
 from orchestrator.books import Ledger, compute_books
-from orchestrator.journal import read_journal
 from orchestrator.jobview import JobView
+from orchestrator.journal import read_journal
 from orchestrator.rundir import RunDir
 
 
@@ -112,6 +111,8 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
                                  for _, s in sorted(view.stragglers.items())],
                        "events": [{k: s.get(k) for k in ("action", "node_id", "ts")}
                                   for s in view.straggler_log[-10:]]},
+        "memory_tier": view.memory_tier,
+        "restore_tiers": view.restore_tiers,
     }
 
 

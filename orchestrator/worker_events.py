@@ -108,6 +108,29 @@ class Resumed(EventData):
     fetched_from: Text | None = None
 
 
+class RestoreTier(EventData):
+    """Which tier a generation restored from, and why it passed the faster ones over."""
+
+    tier: Literal["memory", "memory_partner", "durable", "none"]
+    step: Step
+    reason: Text
+    durable_step: Step | None = None
+    partner_ranks: list[Annotated[int, Field(ge=0, le=1 << 24)]] = Field(
+        default_factory=list, max_length=4096)
+    load_s: Seconds | None = None
+    verify_s: Seconds | None = None
+
+
+class MemoryTier(EventData):
+    """What a node's memory tier holds (rank 0's node, once a generation)."""
+
+    step: Step
+    bytes: Count  # one rank's copy
+    node_bytes: Count  # the node's slot files, pages in use
+    node_budget_bytes: Count  # the node's slot files, their size
+    partner: bool
+
+
 class Startup(EventData):
     """Wall times of a (re)start's milestones (process start, imports, process group...)."""
 
@@ -169,6 +192,8 @@ _MODELS: dict[str, type[EventData]] = {
     "checkpoint_upload_failed": CheckpointFailed,
     "checkpoint_upload_skipped": CheckpointUploadSkipped,
     "resumed": Resumed,
+    "restore_tier": RestoreTier,
+    "memory_tier": MemoryTier,
     "startup": Startup,
     "params_digest": ParamsDigest,
     "chaos": Chaos,

@@ -588,6 +588,23 @@ class CheckpointConfig(_Section):
                            "must always match the job's key."
     )
 
+    memory_interval_steps: int | None = Field(
+        None, gt=0,
+        description="Memory tier: every N steps each rank also copies its state into its "
+                    "node's shared memory (and its partner node's), from which a restart "
+                    "restores at copy speed. Null: the memory tier is off. Needs the node "
+                    "agent (orchestrator up); may be shorter than interval_steps.")
+    memory_max_bytes: int = Field(
+        8 * 2**30, gt=0,
+        description="Shared memory one node's memory tier may use in all (its ranks' two "
+                    "slots each, and as many for the partner copies it holds); a state "
+                    "that does not fit is not kept in memory (reported).")
+    memory_root: str = Field(
+        "/dev/shm", description="Where the agent makes the memory tier's files (a tmpfs).")
+    memory_partner: bool = Field(
+        True, description="Also keep each rank's copy on the next node (one lost node loses "
+                          "no state; doubles the memory used). Needs two nodes or more.")
+
     @model_validator(mode="after")
     def _check_tiers(self) -> CheckpointConfig:
         for name in ("url", "local_url", "endpoint_url"):

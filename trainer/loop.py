@@ -39,6 +39,8 @@ class Parts:
     skip_guard: Any = None  # stability.SkipStepGuard when a rule asks for skip_step
     startup: dict[str, float | None] | None = None  # wall times of start-up milestones
     optimizer_timer: OptimizerTimer | None = None  # the breakdown's optimizer share
+    memory: Any = None  # trainer.checkpoint.memory.MemoryTier when the memory tier is on
+    memory_interval: int = 0
 
     @property
     def model(self) -> nn.Module:
@@ -125,6 +127,14 @@ def _train(p: Parts) -> None:
             with p.worker.phase("checkpointing"):
                 rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
                                                           p.progress.tokens)
+        if p.memory is not None and (step % p.memory_interval == 0 or stop):
+            with p.worker.phase("checkpointing"):
+                rec["mem_block_s"] = p.memory.save(step, p.progress.tokens,
+                                                   p.checkpoint_state)
+            # The books count both as the save's blocking time.
+            rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
+            if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds
+                p.worker.event("memory_tier", **p.memory.report())
         p.checkpointer.poll()
         p.worker.step_done(step, **rec)
         if p.dctx.is_main and (step % cfg.log_every == 0 or step == cfg.steps or step == 1):
@@ -140,10 +150,13 @@ def _train(p: Parts) -> None:
             break
     # Past the last step nothing returns to ``training``: the calibrated training timeout is
     # a few step intervals, and what follows has no steps. The last save and its upload
-    # wait in ``checkpointing``; the digest, closing and the process-group teardown (which
-    # waits for every peer, rank 0 still committing included) run in ``finishing``.
+    # (and the memory tier's last commit) wait in ``checkpointing``; the digest, closing and
+    # the process-group teardown (which waits for every peer, rank 0 still committing
+    # included) run in ``finishing``.
     p.worker.set_phase("checkpointing")
     p.checkpointer.finish()
+    if p.memory is not None:
+        p.memory.wait()
     p.worker.set_phase("finishing")
     # Every rank reports its parameters' checksum: replicas (DDP) that disagree have drifted.
     digest = tensors_digest(p.stepper.local_tensors())

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if parts is not None:
             parts.checkpointer.close()
+            if parts.memory is not None:
+                parts.memory.close()
         # After a completed run every rank leaves together (as NCCL's teardown does anyway);
         # after an error, a peer may be gone: no collective then.
         teardown(dctx if trained else None)

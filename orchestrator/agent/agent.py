@@ -23,6 +23,7 @@ from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
+from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.agent.tasks import RootTaskFailed, RootTasks
@@ -75,6 +76,7 @@ class Agent:
         self._free_port = self.node_config.free_port()
         self._port_announced = False  # registered again with the job's own port choice
         self.health = HealthWork(node_id, run_dir, self._rank_env, self._queue, self._renew_port)
+        self.memory: NodeMemory | None = None  # the memory tier's files, while on
 
     # -- main --------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -105,6 +107,8 @@ class Agent:
                 await self.ranks.stop(grace=10.0 if failure is None else 3.0)
             await self._flush_events(timeout=3.0)
             await roots.cancel()
+        if self.memory is not None:  # the memory tier lives as long as its agent
+            self.memory.free()
         await self.sock.close()
         self.log.info("agent exiting", failed=failure is not None)
         if failure is not None:
@@ -302,10 +306,30 @@ class Agent:
         self._free_port = self.node_config.free_port()
         return self._free_port
 
+    def _memory_env(self, a: Assignment) -> dict[str, str]:
+        """Size this node's memory-tier slots for ``a``'s ranks; the ranks' variable."""
+        nc = self.node_config
+        if nc.memory_root is None or a.nproc <= 0:
+            return {}
+        if self.memory is None:
+            self.memory = NodeMemory(nc.memory_root, self.run_dir, self.node_id)
+        try:
+            slot = self.memory.provision(
+                [a.rank_offset + i for i in range(a.nproc)], a.world_size, a.nproc,
+                nc.memory_max_bytes, nc.memory_partner)
+        except OSError as exc:  # the tier is an optimisation: ranks fall back to durable
+            self.log.warning("memory tier unavailable", path=str(self.memory.path),
+                             error=str(exc))
+            return {}
+        self.log.info("memory tier", path=str(self.memory.path), slot_bytes=slot,
+                      budget_bytes=self.memory.budget)
+        return ec.memory_env(str(self.memory.path))
+
     async def _start_ranks(self, a: Assignment) -> None:
         self.hub.reset()
         nc = self.node_config
-        self.ranks = RankSet(a, self._rank_env(), self.run_dir / "logs", self._on_rank_exit,
+        env = {**self._rank_env(), **self._memory_env(a)}
+        self.ranks = RankSet(a, env, self.run_dir / "logs", self._on_rank_exit,
                              RankSetup(run_dir=self.run_dir, job=nc.job,
                                        max_restarts=nc.max_restarts, workdir=nc.workdir))
         infos = await self.ranks.start(self.warm)

@@ -213,6 +213,16 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
         parts.append(t)
     if status.get("profiles"):
         parts.append(profiles_table(status["profiles"][-3 if compact else None:]))
+    memory = status.get("memory_tier")
+    if memory:
+        restores = status.get("restore_tiers") or []
+        last = f"; last restore: {restores[-1]['tier']} ({restores[-1]['reason']})" \
+            if restores else ""
+        parts.append(Text(
+            f"memory tier: step {memory['step']}, {memory['bytes'] / 2**20:.1f} MiB a rank, "
+            f"{memory['node_bytes'] / 2**20:.1f} of {memory['node_budget_bytes'] / 2**20:.1f}"
+            f" MiB on rank 0's node{' (+ partner copies)' if memory['partner'] else ''}"
+            + last))
     if not compact:
         parts.append(books_table(status["books"]))
     t = Table(title="nodes", title_justify="left")

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import events as ev
+from orchestrator.chaos import ChaosDriver
 from orchestrator.protocol import (
     Assignment,
     EventBatch,
@@ -35,7 +36,6 @@ from orchestrator.protocol import (
     WorkerEvent,
 )
 from orchestrator.state import Cause, JobState, NodeState
-from orchestrator.chaos import ChaosDriver
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
@@ -347,6 +347,10 @@ class Intake:
             elif msg.name == "profile_failed":
                 self.ctx.record(ev.ProfileFailed(**data, **where, node_id=node_id))
                 self.ctx.log.warning("profile failed", rank=msg.rank, error=data.get("error"))
+            elif msg.name == "restore_tier":
+                self.ctx.record(ev.RestoreTier(node_id=node_id, **data, **where))
+            elif msg.name == "memory_tier":
+                self.ctx.record(ev.MemoryTier(node_id=node_id, **data, **where))
             elif msg.name in _PLAIN_WORKER_EVENTS:
                 self.ctx.record(ev.WorkerNote(kind=msg.name, node_id=node_id, **data, **where))
             else:

@@ -110,6 +110,12 @@ class SupervisorMetrics:
                                   "Unix time the last step finished.", j, registry=r)
         self.created_ts = Gauge("orchestrator_job_created_timestamp_seconds",
                                 "Unix time the job was created.", j, registry=r)
+        self.memory_bytes = Gauge("orchestrator_checkpoint_memory_bytes",
+                                  "Shared memory the memory tier holds on rank 0's node.", j,
+                                  registry=r)
+        self.memory_budget = Gauge("orchestrator_checkpoint_memory_budget_bytes",
+                                   "Shared memory the memory tier may use on a node.", j,
+                                   registry=r)
         self.health_failures = Counter("orchestrator_health_check_failures_total",
                                        "Failed health checks by check.", ["job", "check"],
                                        registry=r)
@@ -151,7 +157,8 @@ class SupervisorMetrics:
             metric.labels(job)
         for g in (self.goodput, self.step, self.tokens, self.loss, self.lr, self.grad_norm,
                   self.grad_norm_mean, self.spike_length, self.growth, self.param_norm,
-                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts, self.created_ts):
+                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts, self.created_ts,
+                  self.memory_bytes, self.memory_budget):
             g.labels(job)
         self.step_duration.labels(job)
         self.ckpt_blocking.labels(job)
@@ -197,6 +204,9 @@ class SupervisorMetrics:
                 self.ckpt_blocking.labels(job).observe(e.blocking_s)
         elif isinstance(e, ev.Rollback):
             self.rollbacks.labels(job).inc()
+        elif isinstance(e, ev.MemoryTier):
+            self.memory_bytes.labels(job).set(e.node_bytes)
+            self.memory_budget.labels(job).set(e.node_budget_bytes)
         elif isinstance(e, ev.HealthResult) and not e.ok:
             self.health_failures.labels(job, e.check).inc()
         elif isinstance(e, ev.Straggler):

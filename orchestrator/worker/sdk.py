@@ -67,6 +67,7 @@ class WorkerContext:
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
     lr_scale: float = 1.0
     chaos: ChaosPlan = field(default_factory=ChaosPlan)
+    memory_dir: str | None = None  # the node's memory tier (set by the agent when on)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
@@ -82,6 +83,7 @@ class WorkerContext:
             config_path=agent.config_path, run_dir=agent.run_dir,
             checkpoint_root=gen.checkpoint_root, resume_max_step=gen.resume_max_step,
             skip_windows=list(gen.skip_windows), lr_scale=gen.lr_scale, chaos=gen.chaos,
+            memory_dir=agent.memory_dir,
         )
 
 

@@ -48,6 +48,8 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_step_duration_seconds": ("histogram", {}),
     "orchestrator_checkpoint_blocking_seconds": ("histogram", {}),
     "orchestrator_last_checkpoint_step": ("gauge", {}),
+    "orchestrator_checkpoint_memory_bytes": ("gauge", {}),
+    "orchestrator_checkpoint_memory_budget_bytes": ("gauge", {}),
     "orchestrator_last_checkpoint_timestamp_seconds": ("gauge", {}),
     "orchestrator_last_step_timestamp_seconds": ("gauge", {}),
     "orchestrator_job_created_timestamp_seconds": ("gauge", {}),
@@ -118,6 +120,8 @@ def test_records_and_events_move_their_metrics(metrics: SupervisorMetrics) -> No
     metrics.on_event({"kind": "failure", "cause": "hang"})
     metrics.on_event({"kind": "checkpoint_committed", "step": 50, "ts": 2000.0,
                       "blocking_s": 0.07})
+    metrics.on_event({"kind": "memory_tier", "step": 50, "bytes": 10, "node_bytes": 40,
+                      "node_budget_bytes": 4096, "partner": True, "ts": 2001.0})
     for step, tokens in ((1, 512), (2, 1024), (3, 1536), (2, 1024), (3, 1536)):  # a resume
         metrics.on_record({"step": step, "tokens": tokens, "loss": 2.5, "lr": 1e-3,
                            "grad_norm": 0.7, "step_time": 0.2, "ts": 3000.0 + step})
@@ -141,6 +145,8 @@ def test_records_and_events_move_their_metrics(metrics: SupervisorMetrics) -> No
     assert val("orchestrator_failures", cause="hang") == 1
     assert val("orchestrator_last_checkpoint_step") == 50
     assert val("orchestrator_last_checkpoint_timestamp_seconds") == 2000.0
+    assert val("orchestrator_checkpoint_memory_bytes") == 40
+    assert val("orchestrator_checkpoint_memory_budget_bytes") == 4096
     assert val("orchestrator_checkpoint_blocking_seconds",
                "orchestrator_checkpoint_blocking_seconds_bucket", le="0.1") == 1
     assert val("orchestrator_training_step") == 4
