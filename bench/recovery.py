@@ -1,14 +1,16 @@
-"""Time to recover under ``orchestrator up``: SIGKILL a rank -> the next completed step.
+"""Time to recover under ``orchestrator up``, a fault-free run's clean end, and save stalls.
 
-One run, two injections: rank 0 SIGKILLs itself after step ``--kill-step``, then (in the
-next generation) SIGSTOPs itself after step ``--stop-step``. Each recovery is broken down
-from the journal and the new generation's ``startup`` event (the rank's own wall-clock
+Two jobs of the same config. The *fault-free* job must end COMPLETED with no failure in its
+journal (issue 14: a slow final commit used to end every GPU job with a false hang). The
+*faults* job takes two injections: rank 0 SIGKILLs itself after step ``--kill-step``, then
+(in the next generation) SIGSTOPs itself after step ``--stop-step``. Each recovery is broken
+down from the journal and the new generation's ``startup`` event (the rank's own wall-clock
 milestones):
 
-    detection   kill -> STOPPING             (agent waitpid -> supervisor)
+    detection   kill -> STOPPING             (agent waitpid -> supervisor; hang timeout)
     teardown    STOPPING -> RECOVERING       (stop every rank, confirm)
-    backoff     RECOVERING -> HEALTH_CHECK   (restart.backoff_initial_s)
-    placement   HEALTH_CHECK -> LAUNCHING
+    backoff     RECOVERING -> HEALTH_CHECK   (none before the first restart in a window)
+    placement   HEALTH_CHECK -> LAUNCHING    (the after-failure health check, placement)
     launch      generation_launched -> new process started
     interpreter process start -> main() (Python start-up + worker SDK import)
     imports     main() -> torch and trainer imported
@@ -16,26 +18,69 @@ milestones):
     build_load  model, optimizer, data built; checkpoint restored (load_s of it)
     first_step  restored -> first step done (compile, allocator warm-up)
 
-Hang detection latency is SIGSTOP -> STOPPING (cause hang).
+Hang detection latency is SIGSTOP -> STOPPING (cause hang), judged against 3 x the median
+step + 2 s. Save stalls are every ``checkpoint_committed`` event's blocking time, a
+generation's first save apart from the later ones. ``targets`` says which of issue 14's
+targets held.
 
     python bench/recovery.py [CONFIG] [--set key=value ...] --out recovery-cpu.json
+    python bench/recovery.py --profile h200x2 --out recovery-h200x2.json   # 2 GPUs, NCCL
+
+A profile is a config and overrides (``--set`` adds to them, later ones win); the JSON
+records every override, so a flag such as the memory tier's is one more override.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from common import header, write
 
+# Issue 14's targets.
+TARGET_KILL_S = 3.0
+TARGET_SAVE_BLOCK_S = 0.2
+
+# Profiles: a config, its overrides, the injection steps. ``cpu`` is the embedded default
+# (2 simulated nodes x 1 rank, gloo); ``h200x2`` is 1 node x 2 GPUs over NCCL with the 1.14B
+# model compiled at micro-batch 8 (~0.2 s steps), sized so both jobs end within 8 minutes
+# (compile included): saves every 150 steps (13.6 GB a save: ~30 s of steps for it to be
+# written and committed before the next, so no save's blocking time includes waiting for
+# the one before; the final save at 560 comes 110 steps after the one at 450), the kill after
+# the first save has committed, the hang mid-interval; the fault-free run's only save is its
+# final one (a generation's first).
+PROFILES: dict[str, dict[str, Any]] = {
+    "cpu": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
+        "trainer.steps=200", "timeouts.training_floor_s=2",
+        "timeouts.training_floor_calibrated_s=1", "timeouts.training_multiplier=3",
+        "job.warm_start=false"]},
+    # The overrides the recovery-cpu.json before issue 14 used: for code without its keys.
+    "cpu-old": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
+        "trainer.steps=200", "timeouts.training_floor_s=2", "restart.backoff_initial_s=0.5",
+        "job.warm_start=false"]},
+    "h200x2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 250, "stop_step": 400,
+               "free_steps": 100, "sets": [
+                   "cluster.procs_per_node=2", "trainer.steps=560",
+                   "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=true",
+                   "checkpoint.interval_steps=150", "checkpoint.keep_last=2",
+                   "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
+                   "timeouts.training_multiplier=3", "job.warm_start=true",
+                   "health.preflight=quick"]},
+}
+
 
 def _events(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()
+            if line.strip()]
 
 
 def _first(events: list[dict], after: float, **match: Any) -> dict[str, Any]:
@@ -75,34 +120,154 @@ def breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, 
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def save_stalls(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Blocking seconds of every committed save, a generation's first apart."""
+    first: list[float] = []
+    later: list[float] = []
+    seen: set[int] = set()
+    for e in events:
+        if e["kind"] != "checkpoint_committed" or e.get("blocking_s") is None:
+            continue
+        gen = e.get("generation") or 0
+        (later if gen in seen else first).append(e["blocking_s"])
+        seen.add(gen)
+    return {"first_of_generation_s": first, "later_s": later,
+            "first_max_s": max(first, default=None),
+            "later_median_s": round(statistics.median(later), 4) if later else None,
+            "max_s": max(first + later, default=None)}
+
+
+def median_step(run: Path) -> float | None:
+    path = run / "steps.jsonl"
+    if not path.exists():
+        return None
+    times = sorted(r["step_time"] for r in map(json.loads, path.read_text().splitlines())
+                   if r.get("step_time"))
+    return round(times[len(times) // 2], 4) if times else None
+
+
+def _kill_run(proc: subprocess.Popen, run: Path) -> None:
+    """The job's process group, then every agent and rank its journal names (agents run in
+    sessions of their own)."""
+    pids = [proc.pid]
+    if (run / "events.jsonl").exists():
+        for e in _events(run):
+            if e["kind"] == "agent_spawned":
+                pids.append(e["pid"])
+            elif e["kind"] == "ranks_started":
+                pids += [r["pid"] for r in e["ranks"] if r.get("pid")]
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_job(config: str | None, sets: list[str], timeout: float) -> tuple[Path, float]:
+    run = Path(tempfile.mkdtemp(prefix="bench-recover-")) / "run"
+    cmd = [sys.executable, "-m", "orchestrator", "up", "--run-dir", str(run)]
+    cmd += [config] if config else []
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        _kill_run(proc, run)
+        out, _ = proc.communicate()
+        print(out[-4000:])
+        raise SystemExit(f"orchestrator up cut after {timeout:.0f} s: {' '.join(cmd)}")
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        print(out[-4000:])
+        raise SystemExit(f"orchestrator up failed ({proc.returncode}): {' '.join(cmd)}")
+    return run, wall
+
+
+def fault_free(config: str | None, sets: list[str], steps: int, timeout: float) -> dict:
+    run, wall = run_job(config, [*sets, f"trainer.steps={steps}"], timeout)
+    events = _events(run)
+    failures = [{k: e.get(k) for k in ("cause", "rank", "message")}
+                for e in events if e["kind"] == "failure"]
+    final = [e["to"] for e in events if e["kind"] == "transition"][-1]
+    return {"steps": steps, "wall_s": round(wall, 1), "final_state": final,
+            "failures": failures, "median_step_s": median_step(run),
+            "saves": save_stalls(events), "run_dir": str(run)}
+
+
+def with_faults(config: str | None, sets: list[str], kill: int, stop: int,
+                timeout: float) -> dict:
+    chaos = ("chaos.kill=[{step: %d, rank: 0, signal: SIGKILL}, "
+             "{step: %d, rank: 0, signal: SIGSTOP}]" % (kill, stop))
+    run, wall = run_job(config, [*sets, chaos], timeout)
+    events = _events(run)
+    return {"wall_s": round(wall, 1), "median_step_s": median_step(run),
+            "recoveries": [breakdown(events, c) for c in events if c["kind"] == "chaos"],
+            "saves": save_stalls(events), "run_dir": str(run)}
+
+
+def targets(free: dict, faults: dict) -> dict[str, Any]:
+    step = faults["median_step_s"] or 0.0
+    kill = next((r for r in faults["recoveries"] if r["signal"] == "SIGKILL"), {})
+    stop = next((r for r in faults["recoveries"] if r["signal"] == "SIGSTOP"), {})
+    blocks = [b for f in (free, faults) for b in
+              f["saves"]["first_of_generation_s"] + f["saves"]["later_s"]]
+    hang_bound = round(3 * step + 2.0, 3)
+    return {
+        "sigkill_to_next_step_s": kill.get("total_s"), "sigkill_target_s": TARGET_KILL_S,
+        "sigkill_met": kill.get("total_s") is not None and kill["total_s"] <= TARGET_KILL_S,
+        "sigstop_found_s": stop.get("detection_s"), "sigstop_target_s": hang_bound,
+        "sigstop_met": stop.get("detection_s") is not None
+        and stop["detection_s"] <= hang_bound and stop.get("detected_as") == "hang",
+        "save_blocking_max_s": max(blocks, default=None),
+        "save_blocking_target_s": TARGET_SAVE_BLOCK_S,
+        "save_blocking_met": bool(blocks) and max(blocks) <= TARGET_SAVE_BLOCK_S,
+        "fault_free_clean": free["final_state"] == "COMPLETED" and not free["failures"],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", nargs="?", help="job YAML (default: configs/local.yaml)")
-    ap.add_argument("--set", action="append", default=[], dest="sets")
-    ap.add_argument("--kill-step", type=int, default=60)
-    ap.add_argument("--stop-step", type=int, default=120)
+    ap.add_argument("config", nargs="?", help="job YAML (default: the profile's)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
+    ap.add_argument("--set", action="append", default=[], dest="sets",
+                    help="a config override (dotted key=value), after the profile's")
+    ap.add_argument("--kill-step", type=int, default=None)
+    ap.add_argument("--stop-step", type=int, default=None)
+    ap.add_argument("--free-steps", type=int, default=None,
+                    help="steps of the fault-free run (0: skip it)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for both jobs together (a job is cut when it is spent)")
     ap.add_argument("--device", default=None, help="device name for the report")
     ap.add_argument("--out", default="recovery-cpu.json")
     args = ap.parse_args()
-    run = Path(tempfile.mkdtemp(prefix="bench-recover-")) / "run"
-    sets = [*args.sets, "chaos.kill=[{step: %d, rank: 0, signal: SIGKILL}, "
-            "{step: %d, rank: 0, signal: SIGSTOP}]" % (args.kill_step, args.stop_step)]
-    cmd = [sys.executable, "-m", "orchestrator", "up", "--run-dir", str(run)]
-    cmd += [args.config] if args.config else []
-    for s in sets:
-        cmd += ["--set", s]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        print(out.stdout[-4000:], out.stderr[-4000:])
-        return 1
-    events = _events(run)
-    chaos = [e for e in events if e["kind"] == "chaos"]
-    steps = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
-    times = sorted(r["step_time"] for r in steps if r.get("step_time"))
-    report = {**header(args.device), "config": args.config or "configs/local.yaml",
-              "overrides": sets, "median_step_s": round(times[len(times) // 2], 4),
-              "recoveries": [breakdown(events, c) for c in chaos]}
+    profile = PROFILES[args.profile]
+    config = args.config or profile["config"]
+    sets = [*profile["sets"], *args.sets]
+    kill = args.kill_step if args.kill_step is not None else profile["kill_step"]
+    stop = args.stop_step if args.stop_step is not None else profile["stop_step"]
+    free_steps = args.free_steps if args.free_steps is not None else profile["free_steps"]
+    t0 = time.monotonic()
+
+    def limit() -> float:
+        if args.budget is None:
+            return args.timeout
+        return min(args.timeout, args.budget - (time.monotonic() - t0))
+
+    free = fault_free(config, sets, free_steps, limit()) if free_steps else None
+    faults = with_faults(config, sets, kill, stop, limit())
+    report = {**header(args.device), "profile": args.profile,
+              "config": config or "configs/local.yaml", "overrides": sets,
+              "kill_step": kill, "stop_step": stop,
+              "median_step_s": faults["median_step_s"],
+              "recoveries": faults["recoveries"], "saves": faults["saves"],
+              "fault_free": free, "faults_wall_s": faults["wall_s"],
+              "targets": targets(free, faults) if free else None,
+              "wall_s": round(time.monotonic() - t0, 1)}
     path = write(Path(args.out).name, report)
     print(json.dumps(report, indent=2))
     print(f"wrote {path}")

@@ -2,7 +2,10 @@
 # Runs the GPU benchmarks and tests on a lent GPU machine (no network there: the Python
 # packages the GPU image lacks travel as wheels in .whl/). Part A: GPU tests + throughput/MFU.
 # B: checkpoint stall. C: time to recover under `orchestrator up`. D: accelerator health checks.
-#   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D
+# F: FP8 vs bf16 loss curves. G: DeepSpeed ZeRO-Offload (issue 18). P: profiling on demand
+# (issue 19: overhead, trace size).
+# H (2 GPUs, issue 14): recovery, hang detection, every save's stall, a clean fault-free end.
+#   git rev-parse --short HEAD > .bench-commit; bash bench/run_gpu.sh A|B|C|D|E|F|G|H|P
 # (results under bench/results/, copied to $OUT when set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +53,32 @@ elif [ "$part" = E ]; then
     --set restart.backoff_initial_s=0.5 --kill-step 290 --stop-step 390 \
     --out recovery-warm-h100.json 2>&1 | tail -45
   cp bench/results/recovery-warm-h100.json "$out/" 2>/dev/null
+elif [ "$part" = P ]; then
+  # Profiling on demand (issue 19): the step-time breakdown's cost, and a 5-step profile of
+  # the 1.14B model (CPU + CUDA activities, shapes, memory): its overhead and trace size.
+  python3 bench/profiling.py --device cuda --preset 1b --seq 2048 --mbs 4 --rounds 4 \
+    --block 10 --profile-steps 5 --out profiling-h100.json 2>&1 | grep -v '^USDT' | tail -40
+  cp bench/results/profiling-h100.json "$out/" 2>/dev/null
+elif [ "$part" = F ]; then
+  # Issue 18: FP8 vs bf16 with 300-step loss curves (~4 min on one H100).
+  python3 bench/offload_fp8_gpu.py --parts fp8 --curve 300 \
+    --out offload-fp8-gpu-h100-fp8.json 2>&1 | tail -4
+  cp bench/results/offload-fp8-gpu-h100-fp8.json "$out/" 2>/dev/null
+elif [ "$part" = G ]; then
+  # Issue 18: DeepSpeed without offload vs ZeRO-Offload (stage 2 optimizer, stage 3 params);
+  # needs deepspeed importable: carry its wheel in .whl/ (pip wheel --no-deps
+  # deepspeed==0.19.8, plus hjson, py-cpuinfo, msgpack, ninja, einops). Skips, saying so, else.
+  python3 bench/offload_fp8_gpu.py --parts deepspeed \
+    --out offload-deepspeed-gpu-h100.json 2>&1 | tail -8
+  cp bench/results/offload-deepspeed-gpu-h100.json "$out/" 2>/dev/null
+elif [ "$part" = H ]; then
+  # 1 node x 2 GPUs over NCCL, the 1.14B model compiled at micro-batch 8: a fault-free run
+  # (no failure in its journal; its only save is a generation's first) and a run with a
+  # SIGKILL and a SIGSTOP, each recovery broken down; issue 14's targets judged in the JSON.
+  # Both jobs within 8 minutes (--budget: the second is cut when 470 s are spent).
+  python3 bench/recovery.py --profile h200x2 --device "$(nvidia-smi --query-gpu=name \
+    --format=csv,noheader | head -1) x2" --budget 470 --out recovery-h200x2.json 2>&1 | tail -70
+  cp bench/results/recovery-h200x2.json "$out/" 2>/dev/null
 else
   python3 bench/gpu_health.py 2>&1 | tail -10
   cp bench/results/health-*.json "$out/" 2>/dev/null

@@ -64,6 +64,7 @@ HEALTH_NET = "ORCH_HEALTH_NET"
 HEALTH_OUT = "ORCH_HEALTH_OUT"
 WARM_HANDOFF_TS = "ORCH_WARM_HANDOFF_TS"
 HOOK_PID = "ORCH_HOOK_PID"
+MEMORY_DIR = "ORCH_MEMORY_DIR"  # the node's memory-tier directory (the agent's to own)
 CHECKPOINT_KEY = "ORCH_CHECKPOINT_KEY"  # read by trainer.checkpoint.signing
 CHECKPOINT_KEY_FILE = "ORCH_CHECKPOINT_KEY_FILE"  # read by trainer.checkpoint.signing
 
@@ -224,6 +225,7 @@ class AgentEnv:
     node_id: str | None = None
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     run_dir: str | None = None
+    memory_dir: str | None = None  # set when the memory tier is on
 
     @property
     def managed(self) -> bool:
@@ -232,7 +234,8 @@ class AgentEnv:
     def to_env(self) -> dict[str, str]:
         env = {HEARTBEAT_INTERVAL: repr(float(self.heartbeat_interval_s))}
         for name, value in ((AGENT_SOCKET, self.agent_socket), (CONFIG, self.config_path),
-                            (NODE_ID, self.node_id), (RUN_DIR, self.run_dir)):
+                            (NODE_ID, self.node_id), (RUN_DIR, self.run_dir),
+                            (MEMORY_DIR, self.memory_dir)):
             if value:
                 env[name] = value
         return env
@@ -247,7 +250,13 @@ class AgentEnv:
                                            DEFAULT_HEARTBEAT_INTERVAL_S, positive=True)
             or DEFAULT_HEARTBEAT_INTERVAL_S,
             run_dir=get_str(env, RUN_DIR),
+            memory_dir=get_str(env, MEMORY_DIR),
         )
+
+
+def memory_env(path: str) -> dict[str, str]:
+    """The memory tier's directory for a node's training ranks (``AgentEnv.memory_dir``)."""
+    return {MEMORY_DIR: path}
 
 
 def without_secrets(env: Mapping[str, str]) -> dict[str, str]:

@@ -301,6 +301,7 @@ class Calibration(Event):
     kind: Literal["calibration"] = "calibration"
     max_interval_s: Seconds | None = None
     training_timeout_s: Seconds
+    intervals: Count | None = None  # step intervals measured (the floor comes down after N)
 
 
 class Chaos(_OpenEvent):
@@ -382,6 +383,94 @@ class WorkerNote(_OpenEvent):
     load_s: Seconds | None = None
 
 
+class ProfileRequested(Event):
+    """The operator asked for a profile: ``ranks`` profile steps ``start_step`` ..
+    ``start_step + steps - 1`` into ``dir`` (``RUN_DIR/profiles/<start_step>``)."""
+
+    kind: Literal["profile_requested"] = "profile_requested"
+    id: Count
+    generation: Gen
+    start_step: Step
+    steps: Count
+    ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
+    dir: Text = ""
+
+
+class ProfileWritten(Event):
+    """A rank wrote its trace (``first_step`` > ``start_step``: the order reached it late)."""
+
+    kind: Literal["profile_written"] = "profile_written"
+    id: Count
+    generation: Gen | None = None
+    rank: Rank
+    node_id: Name | None = None
+    start_step: Step
+    first_step: Step | None = None
+    last_step: Step | None = None
+    path: Text = ""
+    bytes: Count | None = None
+    profiled_s: Seconds | None = None
+    export_s: Seconds | None = None
+
+
+class ProfileFailed(Event):
+    kind: Literal["profile_failed"] = "profile_failed"
+    id: Count | None = None
+    generation: Gen | None = None
+    rank: Rank
+    node_id: Name | None = None
+    start_step: Step | None = None
+    error: Text = ""
+
+
+class Straggler(Event):
+    """The straggler detector named a node (``action`` "named"), saw it catch up
+    ("cleared"), or excluded it at a restart with a spare to take its place ("excluded")."""
+
+    kind: Literal["straggler"] = "straggler"
+    action: Literal["named", "cleared", "excluded"]
+    node_id: Name
+    generation: Gen | None = None
+    ranks: list[Rank] = Field(default_factory=list, max_length=4096)
+    # The slowest of its ranks against the median of the other ranks: seconds a step.
+    excess_s: Seconds | None = None
+    step_time_s: Seconds | None = None
+    data_wait_s: Seconds | None = None
+    peer_step_time_s: Seconds | None = None
+    peer_data_wait_s: Seconds | None = None
+    window_s: Seconds | None = None
+    reason: Text | None = None
+class RestoreTier(Event):
+    """Which checkpoint tier a generation restored from (memory, memory_partner: some ranks
+    from their partner node's copy, durable, none) and why it passed faster ones over."""
+
+    kind: Literal["restore_tier"] = "restore_tier"
+    generation: Gen | None = None
+    rank: Rank | None = None
+    node_id: Name | None = None
+    tier: Literal["memory", "memory_partner", "durable", "none"]
+    step: Step
+    reason: Text
+    durable_step: Step | None = None
+    partner_ranks: list[Rank] = Field(default_factory=list, max_length=4096)
+    load_s: Seconds | None = None
+    verify_s: Seconds | None = None
+
+
+class MemoryTier(Event):
+    """What the memory tier holds: one rank's copy, and rank 0's node in all."""
+
+    kind: Literal["memory_tier"] = "memory_tier"
+    generation: Gen | None = None
+    rank: Rank | None = None
+    node_id: Name | None = None
+    step: Step
+    bytes: Count
+    node_bytes: Count
+    node_budget_bytes: Count
+    partner: bool = False
+
+
 class MessageRejected(Event):
     """A message a node was not allowed to send, or that did not parse: nothing changed."""
 
@@ -405,7 +494,8 @@ AnyEvent = Annotated[Union[  # noqa: UP007 (a discriminated union needs Union he
     AgentSpawned, AgentsExpected, GenerationLaunched, RanksStarted, RanksStopped,
     RankExited, RanksExited, Failure, CheckpointCommitted, CheckpointPruned, FirstStep,
     Progress, Calibration, Chaos, StabilityFired, Rollback, HealthRound, HealthResult, WorkerNote,
-    MessageRejected, JournalSkipped], Field(discriminator="kind")]
+    MessageRejected, JournalSkipped, ProfileRequested, ProfileWritten, ProfileFailed,
+    Straggler, RestoreTier, MemoryTier], Field(discriminator="kind")]
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
 _MODELS: dict[str, type[Event]] = {}

@@ -69,6 +69,12 @@ class JobView:
     recovery_delay_s: float | None = None  # the backoff of the newest RECOVERING move
     segments: int = 1  # a stopped job continued with `up --resume` starts another
     own_script: bool = False  # job.entrypoint: the user's script, its own checkpoints
+    # Profiles by id: the request, and each rank's trace (or failure) as it arrives.
+    profiles: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)  # named now, by node
+    straggler_log: list[dict[str, Any]] = field(default_factory=list)  # the newest 100
+    memory_tier: dict[str, Any] | None = None  # the newest memory_tier report
+    restore_tiers: list[dict[str, Any]] = field(default_factory=list)  # per generation
 
     @classmethod
     def from_events(cls, events: Iterable[Envelope | dict[str, Any]]) -> JobView:
@@ -96,6 +102,14 @@ class JobView:
         self.checkpoint_root = e.checkpoint_root
         self.own_script = e.own_script
         self.created_ts = ts
+
+    def _on_memory_tier(self, e: ev.MemoryTier, ts: float) -> None:
+        self.memory_tier = {**e.fields(), "ts": ts}
+
+    def _on_restore_tier(self, e: ev.RestoreTier, ts: float) -> None:
+        self.restore_tiers.append({k: v for k, v in e.fields().items()
+                                   if k in ("generation", "tier", "step", "reason")})
+        del self.restore_tiers[:-20]
 
     def _on_supervisor_started(self, e: ev.SupervisorStarted, ts: float) -> None:
         self.supervisor_starts.append({"ts": ts, "pid": e.pid, "resumed": e.resumed})
@@ -127,6 +141,7 @@ class JobView:
 
     def _on_generation_launched(self, e: ev.GenerationLaunched, ts: float) -> None:
         self.generation = e.generation
+        self.stragglers = {}  # a new generation is judged afresh
         self.launches.append({**e.fields(), "ts": ts})
         if self.generation > 1:
             self.restarts.append({"generation": self.generation, "ts": ts,
@@ -184,6 +199,27 @@ class JobView:
         first = self.divergence is None or self.divergence.get("generation") != e.generation
         if e.action in ("rollback", "lower_lr") and first:
             self.divergence = {**e.fields(), "ts": ts}
+
+    def _on_profile_requested(self, e: ev.ProfileRequested, ts: float) -> None:
+        self.profiles[e.id] = {**e.fields(), "ts": ts, "written": {}, "failed": {}}
+
+    def _on_profile_written(self, e: ev.ProfileWritten, ts: float) -> None:
+        profile = self.profiles.get(e.id)
+        if profile is not None:
+            profile["written"][e.rank] = {**e.fields(), "ts": ts}
+
+    def _on_profile_failed(self, e: ev.ProfileFailed, ts: float) -> None:
+        profile = self.profiles.get(e.id or -1)
+        if profile is not None:
+            profile["failed"][e.rank] = e.error
+
+    def _on_straggler(self, e: ev.Straggler, ts: float) -> None:
+        entry = {**e.fields(), "ts": ts}
+        if e.action == "named":
+            self.stragglers[e.node_id] = entry
+        else:
+            self.stragglers.pop(e.node_id, None)
+        self.straggler_log = [*self.straggler_log[-99:], entry]
 
     def _on_health(self, e: ev.HealthResult, ts: float) -> None:
         self.health.append({**e.fields(), "ts": ts})

@@ -111,6 +111,10 @@ class RankInfo(Inbound):
     # optimizer-step count: a script with no SDK, judged by liveness until its first step).
     progress: Literal["sdk", "hook"] | None = None
     finished: bool = False  # the rank sent its last beat (worker SDK shutdown): tearing down
+    # The rank's recent steps, summarized by the worker SDK (means over its last steps): the
+    # straggler detector compares them across ranks (``supervisor.stragglers``).
+    step_time: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)] | None = None
+    data_wait: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)] | None = None
 
 
 @with_config(ConfigDict(strict=True, allow_inf_nan=True))
@@ -265,6 +269,30 @@ class StopRequest(Inbound):
     checkpoint: bool = True
 
 
+# A profile covers at most this many steps: a trace grows with every step (tens of MB a step
+# for a large model with shapes and memory recorded), and a few steps show a steady state.
+MAX_PROFILE_STEPS = 200
+
+
+class ProfileRequest(Inbound):
+    """The operator's ``/v1/profile`` (``orchestrator profile``): profile the next ``steps``
+    steps of ``ranks`` (None: every rank)."""
+
+    steps: Annotated[int, Field(ge=1, le=MAX_PROFILE_STEPS)]
+    ranks: Annotated[list[Rank], Field(min_length=1, max_length=4096)] | None = None
+
+
+class ProfileOrder(Message):
+    """Profile steps ``start_step`` .. ``start_step + steps - 1`` of ``ranks`` (a node's
+    share of a profile request), writing into ``RUN_DIR/profiles/<start_step>/rank-K/``."""
+
+    id: Annotated[int, Field(ge=1, le=1 << 31)]
+    generation: Generation  # an agent running another generation ignores it
+    start_step: Step
+    steps: Annotated[int, Field(ge=1, le=MAX_PROFILE_STEPS)]
+    ranks: list[Rank] = Field(max_length=4096)
+
+
 class SignalOrder(Message):
     """Send ``signal`` to a rank once (chaos kills, stack dumps)."""
 
@@ -304,9 +332,10 @@ class Assignment(Message):
     # Modules a spare interpreter imports ahead of the next start (empty: no spares).
     preload: list[str] = Field(default_factory=list)
     health: HealthOrder | None = None
+    profiles: list[ProfileOrder] = Field(default_factory=list, max_length=64)
 
 
 __all__ = ["PHASES", "AgentEvent", "Assignment", "EventBatch", "FiniteFloat", "HealthOrder",
            "HealthReport", "HealthResult", "Heartbeat", "Inbound", "Message", "NodeId", "Phase",
-           "RankExit", "RankInfo", "RanksStarted", "RanksStopped", "RegisterRequest",
+           "ProfileOrder", "ProfileRequest", "RankExit", "RankInfo", "RanksStarted", "RanksStopped", "RegisterRequest",
            "RegisterResponse", "SignalOrder", "StepRecord", "StopRequest", "WorkerEvent", "keep_valid_records"]

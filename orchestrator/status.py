@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from collections.abc import Iterator
-
 from orchestrator.books import Ledger, compute_books
-from orchestrator.journal import read_journal
 from orchestrator.jobview import JobView
+from orchestrator.journal import read_journal
 from orchestrator.rundir import RunDir
 
 
@@ -106,7 +105,35 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
         "goodput": books["goodput"],
         "books": books,
         "stability": stability_status(view, run),
+        "profiles": [profile_summary(p, view.generation)
+                     for _, p in sorted(view.profiles.items())[-20:]],
+        "stragglers": {"named": [{k: s.get(k) for k in _STRAGGLER_KEYS}
+                                 for _, s in sorted(view.stragglers.items())],
+                       "events": [{k: s.get(k) for k in ("action", "node_id", "ts")}
+                                  for s in view.straggler_log[-10:]]},
+        "memory_tier": view.memory_tier,
+        "restore_tiers": view.restore_tiers,
     }
+
+
+_STRAGGLER_KEYS = ("node_id", "ranks", "excess_s", "step_time_s", "data_wait_s",
+                   "peer_step_time_s", "peer_data_wait_s", "window_s", "ts", "generation")
+
+
+def profile_summary(profile: dict[str, Any], generation: int) -> dict[str, Any]:
+    """What ``status`` shows of a profile: how many ranks wrote, where, how big, and which
+    ranks started late (the order reached them after the first step)."""
+    written, ranks = profile["written"], set(profile["ranks"])
+    done = set(written) | set(profile["failed"])
+    state = ("written" if ranks <= set(written) else "failed" if ranks <= done
+             else "abandoned" if profile["generation"] != generation else "pending")
+    return {"id": profile["id"], "start_step": profile["start_step"],
+            "steps": profile["steps"], "ranks": len(ranks), "written": len(written),
+            "failed": {str(r): e for r, e in sorted(profile["failed"].items())[:8]},
+            "state": state, "dir": profile["dir"],
+            "bytes": sum(w.get("bytes") or 0 for w in written.values()),
+            "late_ranks": sorted(r for r, w in written.items()
+                                 if (w.get("first_step") or 0) > profile["start_step"])[:16]}
 
 
 _PICTURE_KEYS = ("step", "last_grad_norm", "running_mean", "threshold", "last_param_norm",

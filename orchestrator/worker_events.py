@@ -108,6 +108,29 @@ class Resumed(EventData):
     fetched_from: Text | None = None
 
 
+class RestoreTier(EventData):
+    """Which tier a generation restored from, and why it passed the faster ones over."""
+
+    tier: Literal["memory", "memory_partner", "durable", "none"]
+    step: Step
+    reason: Text
+    durable_step: Step | None = None
+    partner_ranks: list[Annotated[int, Field(ge=0, le=1 << 24)]] = Field(
+        default_factory=list, max_length=4096)
+    load_s: Seconds | None = None
+    verify_s: Seconds | None = None
+
+
+class MemoryTier(EventData):
+    """What a node's memory tier holds (rank 0's node, once a generation)."""
+
+    step: Step
+    bytes: Count  # one rank's copy
+    node_bytes: Count  # the node's slot files, pages in use
+    node_budget_bytes: Count  # the node's slot files, their size
+    partner: bool
+
+
 class Startup(EventData):
     """Wall times of a (re)start's milestones (process start, imports, process group...)."""
 
@@ -136,6 +159,25 @@ class StabilitySkip(EventData):
     step: Step
 
 
+class ProfileWritten(EventData):
+    """A rank wrote its profile's trace (``orchestrator.worker.profiling``)."""
+
+    id: Annotated[int, Field(ge=1, le=1 << 31)]
+    start_step: Step
+    first_step: Step
+    last_step: Step
+    path: Text
+    bytes: Count
+    profiled_s: Seconds | None = None
+    export_s: Seconds | None = None
+
+
+class ProfileFailed(EventData):
+    id: Annotated[int, Field(ge=1, le=1 << 31)] | None = None
+    start_step: Step | None = None
+    error: Text
+
+
 class Custom(EventData):
     """Any other name: a user script's own event, a flat mapping of scalars."""
 
@@ -150,10 +192,14 @@ _MODELS: dict[str, type[EventData]] = {
     "checkpoint_upload_failed": CheckpointFailed,
     "checkpoint_upload_skipped": CheckpointUploadSkipped,
     "resumed": Resumed,
+    "restore_tier": RestoreTier,
+    "memory_tier": MemoryTier,
     "startup": Startup,
     "params_digest": ParamsDigest,
     "chaos": Chaos,
     "stability_skip": StabilitySkip,
+    "profile_written": ProfileWritten,
+    "profile_failed": ProfileFailed,
 }
 KNOWN_NAMES = frozenset(_MODELS)
 # Keys a data mapping may have at most (a user event is a handful of figures).

@@ -6,6 +6,7 @@ comes from the strategy's backend (``trainer.backends``); the wiring here is the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -82,6 +83,82 @@ def build_checkpointer(settings: WorkerSettings, dctx: DistContext, worker: Work
                         device_type=dctx.device.type, uploader=uploader)
 
 
+def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
+                      checkpointer: Checkpointer, backend: Backend,
+                      log: Callable[[str], None]) -> Any:
+    """The memory tier (``trainer.checkpoint.memory``) when the config turns it on and the
+    agent made this node's slots; None otherwise (said once in the log)."""
+    cfg = settings.checkpoint
+    if cfg.memory_interval_steps is None:
+        return None
+    why = None
+    if not ctx.memory_dir:
+        why = "no node agent keeps the memory (run under orchestrator up)"
+    elif backend.checkpointer_class is not Checkpointer:
+        why = f"the {settings.trainer.parallelism.strategy} backend saves its own format"
+    if why is not None:
+        if dctx.is_main:
+            log(f"memory tier off: {why}")
+        return None
+    import datetime
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from orchestrator import envcontract as ec
+    from trainer.checkpoint.memory import MemoryTier
+    from trainer.distributed import collective_timeout_s
+
+    group = None
+    if dctx.ckpt_group is not None:
+        # Its own gloo group: partner copies travel in the tier's commit thread, never
+        # beside the training thread's or the async save's collectives.
+        group = dist.new_group(backend="gloo",
+                               timeout=datetime.timedelta(seconds=collective_timeout_s()))
+    return MemoryTier(Path(ctx.memory_dir), rank=dctx.rank, world_size=dctx.world_size,
+                      procs_per_node=ec.get_int(os.environ, "LOCAL_WORLD_SIZE", 1,
+                                                minimum=1) or 1,
+                      job=settings.job, config_hash=settings.config_hash,
+                      generation=ctx.generation, partner=cfg.memory_partner,
+                      group=group, trust=lambda: checkpointer.store.trust,
+                      log=log, device_type=dctx.device.type)
+
+
+def plan_memory_restore(memory: Any, checkpointer: Checkpointer, dctx: DistContext,
+                        max_step: int | None, log: Callable[[str], None]) -> Any:
+    """Collective: the memory tier's restore plan against the durable tier's newest
+    committed step (rank 0 lists it; no durable file is read when memory wins)."""
+    import torch.distributed as dist
+
+    newest: list[Any] = [None]
+    if dctx.rank == 0:
+        newest = [checkpointer.store.newest_committed(max_step, log)]
+    if dctx.ckpt_group is not None:
+        dist.broadcast_object_list(newest, src=0, group=dctx.ckpt_group)
+    plan = memory.plan(newest[0], max_step)
+    plan.durable_step = newest[0]
+    return plan
+
+
+def load_from_memory(memory: Any, plan: Any, state: dict[str, Any], dctx: DistContext,
+                     ) -> str | None:
+    """Collective: load the planned copy on every rank; None when all did, else why not
+    (then the caller loads the durable tier, which overwrites every part of the state)."""
+    import torch.distributed as dist
+
+    problem = None
+    try:
+        memory.load(plan, state)
+    except (ValueError, RuntimeError) as exc:  # a layout that does not fit this model
+        problem = f"rank {dctx.rank}: {exc}"[:500]
+    if dctx.control_group is None:
+        return problem
+    problems: list[Any] = [None] * dctx.world_size
+    dist.all_gather_object(problems, problem, group=dctx.control_group)
+    bad = [p for p in problems if p]
+    return "; ".join(bad[:4]) if bad else None
+
+
 def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                 worker: Worker, log: Callable[[str], None]) -> Parts:
     """Every part of the run, with the newest checkpoint (or the HF weights) loaded.
@@ -104,20 +181,21 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         raise ValueError(f"the dataset's tokenizer has {vocab} ids, more than the model's "
                          f"vocab_size {resolve_model_args(cfg.model).vocab_size}")
     checkpointer = build_checkpointer(settings, dctx, worker, log, backend)
+    memory = build_memory_tier(settings, dctx, ctx, checkpointer, backend, log)
     with worker.phase("loading"):
         t0 = time.perf_counter()
-        choice = checkpointer.choose(max_step=ctx.resume_max_step)
+        plan = None if memory is None else \
+            plan_memory_restore(memory, checkpointer, dctx, ctx.resume_max_step, log)
+        choice = None if plan is not None and plan.use else \
+            checkpointer.choose(max_step=ctx.resume_max_step)
         load_s = time.perf_counter() - t0
-    model = backend.build_model(settings, dctx)
+    # Fine-tuning: the backend loads the frozen base (model.init_from_hf) while it builds.
+    with worker.phase("loading") if cfg.finetune is not None else contextlib.nullcontext():
+        model = backend.build_model(settings, dctx)
     if cfg.finetune is not None:
-        from trainer.finetune import prepare_base, trainable_counts
+        from trainer.finetune import summary
 
-        # Every start, resumed or not: checkpoints hold the adapters only.
-        with worker.phase("loading"):
-            prepare_base(model, cfg.finetune, str(cfg.model.init_from_hf))
-        trainable, total = trainable_counts(model)
-        log(f"{cfg.finetune.method}: base from {cfg.model.init_from_hf}, {trainable:,} of "
-            f"{total:,} parameters train (rank {cfg.finetune.rank})")
+        log(summary(model, cfg.finetune, str(cfg.model.init_from_hf)))
     elif choice is None and cfg.model.init_from_hf:
         with worker.phase("loading"):
             backend.load_pretrained(model, cfg.model.init_from_hf)
@@ -138,8 +216,27 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         state["stability"] = GuardState(guard)
     with worker.phase("loading"):
         t0 = time.perf_counter()
-        manifest = checkpointer.load(state, choice)
+        tier_note = None
+        if plan is not None and plan.use:
+            failed = load_from_memory(memory, plan, state, dctx)
+            if failed is None:
+                manifest: dict[str, Any] | None = {"step": plan.step, "tokens": progress.tokens,
+                                                   "config_hash": settings.config_hash}
+            else:
+                plan.use, plan.reason = False, f"loading the memory copy failed: {failed}"
+                choice = checkpointer.choose(max_step=ctx.resume_max_step)
+                manifest = checkpointer.load(state, choice)
+        else:
+            manifest = checkpointer.load(state, choice)
         load_s += time.perf_counter() - t0
+    if memory is not None:
+        memory.invalidate_after(progress.step)  # newer copies: an abandoned future
+        if progress.step > 0:  # restored: the optimizer has its state (see the method)
+            memory.prepare_saves(state)
+        tier_note = _restore_tier(plan, choice, load_s)
+        if dctx.is_main:
+            worker.event("restore_tier", **tier_note)
+            log(f"restore: {tier_note['tier']} tier ({tier_note['reason']})")
     if manifest is not None:
         if manifest.get("config_hash") != settings.config_hash:
             log(f"warning: checkpoint config hash {manifest.get('config_hash')} differs from "
@@ -147,13 +244,35 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         log(f"resumed from step {progress.step} ({manifest.get('tokens')} tokens)")
         if dctx.is_main:
             restored = checkpointer.restored
+            from_memory = tier_note is not None and tier_note["tier"].startswith("memory")
             # load_s: the books' checkpoint_restore time for this generation.
-            worker.event("resumed", step=progress.step, path=checkpointer.restored_url,
-                         load_s=round(load_s, 6), tier=restored.tier if restored else None,
-                         fetched_from=restored.fetched_from if restored else None)
+            worker.event("resumed", step=progress.step,
+                         path=None if from_memory else checkpointer.restored_url,
+                         load_s=round(load_s, 6),
+                         tier=tier_note["tier"] if from_memory else
+                         restored.tier if restored else None,
+                         fetched_from=restored.fetched_from if restored and not from_memory
+                         else None)
     # Fault injection wraps the parts the loop drives (the state above keeps the real ones).
-    plan = ctx.chaos
-    return Parts(cfg, dctx, chaos.wrap_stepper(stepper, plan, dctx.rank), scheduler,
-                 chaos.wrap_loader(loader, plan), progress,
-                 chaos.wrap_checkpointer(checkpointer, plan), state,
-                 worker, settings.checkpoint.interval_steps, log, guard)
+    chaos_plan = ctx.chaos
+    parts = Parts(cfg, dctx, chaos.wrap_stepper(stepper, chaos_plan, dctx.rank), scheduler,
+                  chaos.wrap_loader(loader, chaos_plan), progress,
+                  chaos.wrap_checkpointer(checkpointer, chaos_plan, dctx.rank), state,
+                  worker, settings.checkpoint.interval_steps, log, guard)
+    parts.memory = memory
+    parts.memory_interval = settings.checkpoint.memory_interval_steps or 0
+    return parts
+
+
+def _restore_tier(plan: Any, choice: Any, load_s: float) -> dict[str, Any]:
+    """The ``restore_tier`` event: which tier this generation restored from, and why."""
+    if plan is not None and plan.use:
+        tier = "memory_partner" if plan.partner_ranks else "memory"
+        return {"tier": tier, "step": plan.step, "reason": plan.reason,
+                "durable_step": plan.durable_step, "partner_ranks": list(plan.partner_ranks),
+                "load_s": round(load_s, 6), "verify_s": round(plan.verify_s, 6)}
+    reason = plan.reason if plan is not None else "memory tier off"
+    return {"tier": "durable" if choice is not None else "none",
+            "step": choice.step if choice is not None else 0,
+            "reason": reason, "durable_step": choice.step if choice is not None else None,
+            "partner_ranks": [], "load_s": round(load_s, 6)}

@@ -8,6 +8,7 @@ Field descriptions feed ``orchestrator validate`` and ``--help``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -212,8 +213,9 @@ class ParallelismConfig(_Section):
     strategy: Literal["fsdp2", "ddp", "deepspeed", "neuron", "none"] = Field(
         "fsdp2", description="fsdp2 (fully_shard), ddp, deepspeed (ZeRO), neuron, or none."
     )
-    backend: Literal["auto", "gloo", "nccl", "xla"] = Field(
-        "auto", description="torch.distributed backend (auto: nccl on CUDA, gloo on CPU)."
+    backend: Literal["auto", "gloo", "nccl", "xla", "neuron"] = Field(
+        "auto", description="torch.distributed backend (auto: nccl on CUDA, gloo on CPU, xla "
+                            "with device xla, neuron with device neuron)."
     )
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Recompute activations: none, selective (every other block), full."
@@ -287,20 +289,34 @@ def check_finetune(cfg: TrainerConfig) -> None:
                                           "peft's layers wrap plain linears")
     if ft.method != "qlora":
         return
-    if cfg.parallelism.strategy == "fsdp2":
-        raise FieldError("finetune.method", "qlora runs with strategy ddp or none: the NF4 "
-                                            "base is not sharded by FSDP2 here (use lora)")
     args = resolve_model_args(cfg.model)
     q = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     shapes = {"wqkv": (q, args.dim), "wo": (args.dim, args.n_heads * args.head_dim),
               "w13": (2 * args.ffn_dim, args.dim), "w2": (args.dim, args.ffn_dim)}
-    block = ft.nf4_block_size * ft.nf4_scaler_block_size
     for name in ft.target_modules:
-        rows, cols = shapes[name]
-        if (rows * cols) % block:
-            raise FieldError("finetune.nf4_scaler_block_size",
-                             f"{name} has {rows * cols} values, not a multiple of "
-                             f"nf4_block_size x nf4_scaler_block_size ({block})")
+        # The FSDP2 world size is known at start only: the trainer checks the shards then.
+        problem = nf4_shard_problem(shapes[name], ft, 1)
+        if problem:
+            raise FieldError("finetune.nf4_scaler_block_size", f"{name}: {problem}")
+
+
+def nf4_shard_problem(shape: tuple[int, ...], ft: FinetuneConfig, shards: int) -> str | None:
+    """Why a weight of ``shape`` cannot be an NF4 tensor sharded ``shards`` ways (None: it can).
+
+    torchao splits the NF4 codes, the per-block scales and the double-quantised scalers into
+    ``shards`` equal dim-0 chunks (no padding), so the rows and the number of scaler blocks
+    (values / (nf4_block_size x nf4_scaler_block_size)) must both divide by ``shards``.
+    """
+    rows, values = shape[0], math.prod(shape)
+    block = ft.nf4_block_size * ft.nf4_scaler_block_size
+    if values % block:
+        return (f"{values} values are not a multiple of nf4_block_size x "
+                f"nf4_scaler_block_size ({block})")
+    if shards > 1 and (rows % shards or (values // block) % shards):
+        return (f"{rows} rows and {values // block} NF4 scaler blocks do not both split into "
+                f"{shards} FSDP2 shards: lower finetune.nf4_scaler_block_size (or the world "
+                f"size)")
+    return None
 
 
 def check_memory(cfg: TrainerConfig) -> None:
@@ -319,7 +335,7 @@ def check_memory(cfg: TrainerConfig) -> None:
             raise FieldError("parallelism.offload", f"offload is implemented for fsdp2 and "
                                                     f"deepspeed, not {par.strategy!r}")
     if prec.fp8:
-        if cfg.device in ("cpu", "xla"):
+        if cfg.device in ("cpu", "xla", "neuron"):
             raise FieldError("precision.fp8", f"FP8 training needs an H100/H200-class CUDA "
                                               f"GPU; trainer.device is {cfg.device}")
         if par.strategy not in ("fsdp2", "ddp", "none"):
@@ -340,8 +356,44 @@ NO_SKIP_STEP = {
 }
 
 
+# The two Trainium paths: which SDK each needs, for the errors that name the other one.
+NXD_PATH = ("the NxD backend (trainer.device: xla, parallelism.strategy: neuron) is "
+            "neuronx-distributed on torch-xla, for Neuron SDK 2.31 or earlier")
+NATIVE_PATH = ("TorchNeuron (trainer.device: neuron with parallelism.strategy fsdp2, ddp or "
+               "none) is the native neuron device, Neuron SDK 2.33 or later on trn2/trn3")
+
+
+def check_device(cfg: TrainerConfig) -> None:
+    """The device against the strategy and the process-group backend (raises ``FieldError``):
+    the NxD path and the TorchNeuron path each refuse the other's settings with a hint."""
+    par = cfg.parallelism
+    if cfg.device == "neuron":
+        if par.strategy == "neuron":
+            raise FieldError("parallelism.strategy",
+                             f"strategy neuron with trainer.device neuron mixes the two "
+                             f"Trainium paths: {NXD_PATH}; {NATIVE_PATH}. To migrate, use "
+                             f"strategy fsdp2 (it shards parameters, gradients and optimizer "
+                             f"state: set tensor_parallel 1, zero_stage is not used)")
+        if par.strategy == "deepspeed":
+            raise FieldError("parallelism.strategy", f"DeepSpeed does not run on the neuron "
+                                                     f"device: {NATIVE_PATH}")
+        if par.backend not in ("auto", "neuron"):
+            raise FieldError("parallelism.backend", f"trainer.device neuron uses TorchNeuron's "
+                                                    f"neuron process-group backend (auto), "
+                                                    f"not {par.backend}")
+    elif par.backend == "neuron":
+        raise FieldError("parallelism.backend", f"the neuron process-group backend drives "
+                                                f"TorchNeuron's device: {NATIVE_PATH}")
+    if cfg.device == "xla" and par.strategy != "neuron":
+        raise FieldError("device", f"trainer.device xla serves strategy neuron only: "
+                                   f"{NXD_PATH}. AWS ended the torch-xla training flow with "
+                                   f"Neuron 2.32; for strategy {par.strategy} on Trainium, "
+                                   f"{NATIVE_PATH}: set trainer.device: neuron")
+
+
 def check_strategy(cfg: TrainerConfig) -> None:
     """Fields the chosen parallelism strategy cannot honour (raises ``FieldError``)."""
+    check_device(cfg)
     par = cfg.parallelism
     if par.tensor_parallel > 1 and par.strategy != "neuron":
         raise FieldError("parallelism.tensor_parallel",
@@ -350,8 +402,8 @@ def check_strategy(cfg: TrainerConfig) -> None:
     if par.strategy != "neuron":
         return
     if cfg.device != "xla":
-        raise FieldError("device", "strategy neuron runs on NeuronCores through torch-xla: "
-                                   "set trainer.device: xla")
+        raise FieldError("device", f"strategy neuron runs on NeuronCores through torch-xla: "
+                                   f"set trainer.device: xla ({NXD_PATH})")
     if par.backend not in ("auto", "xla"):
         raise FieldError("parallelism.backend", "strategy neuron uses the xla backend")
     if par.zero_stage > 1:
@@ -398,8 +450,12 @@ class TrainerConfig(_Section):
 
     steps: int = Field(200, gt=0, description="Optimizer steps of the whole run.")
     seed: int = Field(0, description="Seed of weight init and of every RNG.")
-    device: Literal["auto", "cpu", "cuda", "xla"] = Field(
-        "auto", description="Where ranks compute (auto: cuda when present, else cpu)."
+    device: Literal["auto", "cpu", "cuda", "xla", "neuron"] = Field(
+        "auto", description=(
+            "Where ranks compute (auto: cuda when present, else cpu). neuron: Trainium's "
+            "native PyTorch device (TorchNeuron, Neuron SDK 2.33+, trn2/trn3) with strategy "
+            "fsdp2, ddp or none. xla: Trainium through torch-xla, for strategy neuron (NxD, "
+            "Neuron SDK 2.31 or earlier)."),
     )
     deterministic: bool = Field(
         True, description="Deterministic algorithms (bit-exact resume on CPU)."
@@ -511,6 +567,12 @@ class CheckpointConfig(_Section):
         True, description="Asynchronous saves: the step waits only for staging (DCP, NxD). "
                           "DeepSpeed's saves are always synchronous."
     )
+    stage_ahead: bool = Field(
+        True, description="Allocate the async save's staging buffers (pinned host memory on "
+                          "CUDA) in the background after each generation's first step and "
+                          "keep them, so no save, a generation's first included, blocks for "
+                          "the allocation. Costs one host copy of the rank's state. False: "
+                          "allocated by the first save (CUDA) or by every save (CPU).")
     write_threads: int = Field(
         4, ge=1, le=64,
         description="Threads each rank writes its DCP files with (one file per thread); "
@@ -525,6 +587,23 @@ class CheckpointConfig(_Section):
                            "were signed, or imported) when their files verify. Signed ones "
                            "must always match the job's key."
     )
+
+    memory_interval_steps: int | None = Field(
+        None, gt=0,
+        description="Memory tier: every N steps each rank also copies its state into its "
+                    "node's shared memory (and its partner node's), from which a restart "
+                    "restores at copy speed. Null: the memory tier is off. Needs the node "
+                    "agent (orchestrator up); may be shorter than interval_steps.")
+    memory_max_bytes: int = Field(
+        8 * 2**30, gt=0,
+        description="Shared memory one node's memory tier may use in all (its ranks' two "
+                    "slots each, and as many for the partner copies it holds); a state "
+                    "that does not fit is not kept in memory (reported).")
+    memory_root: str = Field(
+        "/dev/shm", description="Where the agent makes the memory tier's files (a tmpfs).")
+    memory_partner: bool = Field(
+        True, description="Also keep each rank's copy on the next node (one lost node loses "
+                          "no state; doubles the memory used). Needs two nodes or more.")
 
     @model_validator(mode="after")
     def _check_tiers(self) -> CheckpointConfig:

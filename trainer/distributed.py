@@ -57,6 +57,10 @@ def pick_device(cfg: TrainerConfig, local_rank: int) -> torch.device:
         import torch_xla.core.xla_model as xm  # lazily: only on Trainium/TPU hosts
 
         return xm.xla_device()
+    if want == "neuron":
+        from trainer.backends.torchneuron import pick_device as neuron_device  # TorchNeuron
+
+        return neuron_device(local_rank)
     return torch.device("cpu")
 
 
@@ -68,6 +72,24 @@ def configure_process(cfg: TrainerConfig, local_world_size: int) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
         # cuBLAS needs a fixed workspace for deterministic GEMMs.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+# trainer.parallelism.backend auto, by device type (anything else: gloo).
+AUTO_BACKEND = {"cuda": "nccl", "xla": "xla", "neuron": "neuron"}
+
+
+def process_group_spec(backend: str) -> str:
+    """What ``init_process_group`` gets for ``backend``. "cpu:gloo,cuda:nccl" keeps a CPU
+    backend on the default group, which DCP's async save requires for its CPU-side
+    coordination; TorchNeuron's "neuron" backend gets the same (``trainer.backends.
+    torchneuron``)."""
+    if backend == "nccl":
+        return "cpu:gloo,cuda:nccl"
+    if backend == "neuron":
+        from trainer.backends.torchneuron import PG_SPEC
+
+        return PG_SPEC
+    return backend
 
 
 def collective_timeout_s() -> float:
@@ -86,16 +108,14 @@ def init_distributed(cfg: TrainerConfig) -> DistContext:
     device = pick_device(cfg, local_rank)
     backend = cfg.parallelism.backend
     if backend == "auto":
-        backend = {"cuda": "nccl", "xla": "xla"}.get(device.type, "gloo")
+        backend = AUTO_BACKEND.get(device.type, "gloo")
     if backend == "xla":
         # Registers the "xla" process-group backend (Neuron's collectives on Trainium).
         import torch_xla.distributed.xla_backend  # noqa: F401
     ckpt_group = None
     if world > 1 or "MASTER_ADDR" in os.environ:
         timeout = datetime.timedelta(seconds=collective_timeout_s())
-        # "cpu:gloo,cuda:nccl" keeps a CPU backend on the default group, which DCP's
-        # async save requires for its CPU-side coordination.
-        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+        pg_backend = process_group_spec(backend)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=pg_backend, timeout=timeout, **kwargs)
         # Checkpoint collectives run on their own gloo group, in the async-save thread, so
@@ -114,6 +134,14 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(dctx: DistContext | None = None) -> None:
+    """Destroy the process groups; with ``dctx`` (a run that completed), first wait for
+    every rank on the control group. NCCL's teardown waits for every peer anyway; the
+    barrier makes every backend end the same way (a CPU run shows a GPU run's end), and
+    rank 0, which hosts the rendezvous store and commits the final checkpoint, is the
+    last to leave, not one its peers' teardown may still need."""
+    if not dist.is_initialized():
+        return
+    if dctx is not None and dctx.control_group is not None:
+        dist.barrier(group=dctx.control_group)
+    dist.destroy_process_group()

@@ -15,7 +15,13 @@ Lifecycle (``trainer.backends.native``):
    the adapters after the base with peft's own init (A Kaiming-uniform, B zeros, so training
    starts exactly at the base model).
 3. ``prepare_base`` loads the frozen base from ``model.init_from_hf`` on every start (fresh or
-   resumed: checkpoints do not hold it) and, for QLoRA, quantizes it to NF4.
+   resumed: checkpoints do not hold it) and, for QLoRA, quantizes it to NF4. QLoRA under FSDP2
+   does 2 and 3 the other way round, as torchtune does: the model is materialised whole, its
+   base loaded and quantized, and only then sharded: FSDP2 shards each ``NF4Tensor`` itself
+   (dim-0 chunks of codes, scales and scalers) and all-gathers it as NF4 for each forward
+   (torchao's ``fsdp_pre_all_gather``/``fsdp_post_all_gather``), so a rank holds a quarter of
+   a bf16 base's bytes divided by the world size. The price: each rank reads the whole base
+   once at start, in its own dtype, before it is quantized and sharded.
 4. ``AdapterOptimState`` is the checkpoint's ``app`` entry: trainable parameters and their
    optimizer state only, through torch's distributed state-dict API (FSDP2 shards included).
 """
@@ -87,9 +93,10 @@ def base_state_dict(model: nn.Module, hf_sd: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def prepare_base(model: nn.Module, ft: FinetuneConfig, hf_path: str) -> None:
+def prepare_base(model: nn.Module, ft: FinetuneConfig, hf_path: str, shards: int = 1) -> None:
     """Load the frozen base from the Hugging Face directory into the adapted model (every
-    rank, every start), then quantize it to NF4 for QLoRA. Adapters are left as they are."""
+    rank, every start), then quantize it to NF4 for QLoRA (``shards``: the FSDP2 world it is
+    sharded over next, see ``quantize_base``). Adapters are left as they are."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     from trainer.hf import check_shape, read_hf_dir
@@ -109,25 +116,37 @@ def prepare_base(model: nn.Module, ft: FinetuneConfig, hf_path: str) -> None:
     set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True,
                                                              strict=False))
     if ft.method == "qlora":
-        quantize_base(inner, ft)
+        quantize_base(inner, ft, shards)
 
 
 @torch.no_grad()
-def quantize_base(model: nn.Module, ft: FinetuneConfig) -> int:
+def quantize_base(model: nn.Module, ft: FinetuneConfig, shards: int = 1) -> int:
     """Replace the base weight of every LoRA layer by its NF4 form (torchao); returns how many.
-    Deterministic: the same base gives the same NF4 codes on every rank and every start."""
+    Deterministic: the same base gives the same NF4 codes on every rank and every start.
+
+    ``shards``: the FSDP2 world the NF4 weights will be sharded over next (QLoRA + FSDP2 runs
+    this before ``fully_shard``, as torchtune does; torchao's ``NF4Tensor`` then shards by
+    dim-0 chunks of its codes, scales and scalers, and all-gathers as NF4). Every one of those
+    must split evenly: checked first, naming the layer and the fix.
+    """
     from torchao.quantization import to_nf4
 
-    count = 0
-    for name, layer in lora_layers(model):
-        base = layer.get_base_layer()
-        weight = base.weight
+    from trainer.config import nf4_shard_problem
+
+    layers = lora_layers(model)
+    for name, layer in layers:
+        weight = layer.get_base_layer().weight
         if hasattr(weight, "to_local"):
-            raise ValueError(f"{name}: qlora cannot quantize a sharded (FSDP2) weight")
-        base.weight = nn.Parameter(to_nf4(weight.detach(), ft.nf4_block_size,
+            raise ValueError(f"{name}: qlora quantizes the full weight before FSDP2 shards it, "
+                             f"this one is sharded already")
+        problem = nf4_shard_problem(tuple(weight.shape), ft, shards)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
+    for _, layer in layers:
+        base = layer.get_base_layer()
+        base.weight = nn.Parameter(to_nf4(base.weight.detach(), ft.nf4_block_size,
                                           ft.nf4_scaler_block_size), requires_grad=False)
-        count += 1
-    return count
+    return len(layers)
 
 
 def dequantized(weight: torch.Tensor, ft: FinetuneConfig) -> torch.Tensor:
@@ -141,6 +160,27 @@ def trainable_counts(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts (global numbers, also for DTensors)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())
+
+
+def summary(model: nn.Module, ft: FinetuneConfig, base: str) -> str:
+    """One log line: what trains, and under QLoRA what the NF4 base looks like on this rank
+    (observed on the model's parameters: NF4 or not, sharded how many ways)."""
+    from torchao.quantization import NF4Tensor
+
+    from trainer.parallel import unwrap
+
+    trainable, total = trainable_counts(model)
+    line = (f"{ft.method}: base from {base}, {trainable:,} of {total:,} parameters train "
+            f"(rank {ft.rank})")
+    weights = [layer.get_base_layer().weight for _, layer in lora_layers(unwrap(model))]
+    local = [w.to_local() if hasattr(w, "to_local") else w for w in weights]
+    nf4 = sum(isinstance(t, NF4Tensor) for t in local)
+    if nf4:
+        ways = sorted({w.device_mesh.size() if hasattr(w, "device_mesh") else 1
+                       for w in weights})
+        line += (f"; NF4 base: {nf4} of {len(weights)} weights, sharded "
+                 f"{'/'.join(map(str, ways))} ways")
+    return line
 
 
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)

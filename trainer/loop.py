@@ -20,6 +20,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import TrainerConfig
 from trainer.distributed import DistContext
 from trainer.state import tensors_digest
+from trainer.steptime import OptimizerTimer
 
 
 @dataclass
@@ -37,6 +38,9 @@ class Parts:
     log: Callable[[str], None]
     skip_guard: Any = None  # stability.SkipStepGuard when a rule asks for skip_step
     startup: dict[str, float | None] | None = None  # wall times of start-up milestones
+    optimizer_timer: OptimizerTimer | None = None  # the breakdown's optimizer share
+    memory: Any = None  # trainer.checkpoint.memory.MemoryTier when the memory tier is on
+    memory_interval: int = 0
 
     @property
     def model(self) -> nn.Module:
@@ -58,13 +62,19 @@ def train_step(p: Parts) -> dict[str, Any]:
         def decide(loss: float, grad_norm: float) -> bool:
             return guard.should_skip(next_step, loss, grad_norm)
 
+    t1 = time.perf_counter()
     out = p.stepper.step(batch.micro_batches, scale, decide)
+    compute_s = time.perf_counter() - t1
+    optim_s = p.optimizer_timer.take() if p.optimizer_timer is not None else None
     p.progress.step = next_step
     # Ranks that share a batch (tensor-parallel peers) count its tokens once.
     p.progress.tokens += batch.tokens * p.loader.dp_world
     record: dict[str, Any] = {"loss": out.loss, "grad_norm": out.grad_norm, "lr": lr,
                               "tokens": p.progress.tokens, "batch": batch.index,
-                              "data_s": round(data_s, 6)}
+                              "data_s": round(data_s, 6),
+                              "fwd_bwd_s": round(compute_s - (optim_s or 0.0), 6)}
+    if optim_s is not None:
+        record["optim_s"] = round(optim_s, 6)
     if out.skipped:
         record["skipped"] = True
     if next_step % p.cfg.param_norm_every == 0:
@@ -92,6 +102,14 @@ def _stop_requested(p: Parts) -> bool:
 
 def train(p: Parts) -> None:
     """Steps until ``cfg.steps``; checkpoints every interval and always at the last step."""
+    p.optimizer_timer = p.optimizer_timer or OptimizerTimer().install()
+    try:
+        _train(p)
+    finally:
+        p.optimizer_timer.remove()
+
+
+def _train(p: Parts) -> None:
     cfg = p.cfg
     first = True
     while p.progress.step < cfg.steps:
@@ -100,6 +118,8 @@ def train(p: Parts) -> None:
             # Where a (re)start's seconds went: process start, imports, process group,
             # build + restore, first step (the recovery benchmark reads this).
             p.worker.event("startup", first_step_done=time.time(), **p.startup)
+        if first:  # the optimizer's state exists now: the saves' staging can be allocated
+            p.checkpointer.prepare_staging(p.checkpoint_state)
         first = False
         step = p.progress.step
         stop = _stop_requested(p)
@@ -107,6 +127,14 @@ def train(p: Parts) -> None:
             with p.worker.phase("checkpointing"):
                 rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
                                                           p.progress.tokens)
+        if p.memory is not None and (step % p.memory_interval == 0 or stop):
+            with p.worker.phase("checkpointing"):
+                rec["mem_block_s"] = p.memory.save(step, p.progress.tokens,
+                                                   p.checkpoint_state)
+            # The books count both as the save's blocking time.
+            rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
+            if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds
+                p.worker.event("memory_tier", **p.memory.report())
         p.checkpointer.poll()
         p.worker.step_done(step, **rec)
         if p.dctx.is_main and (step % cfg.log_every == 0 or step == cfg.steps or step == 1):
@@ -120,10 +148,16 @@ def train(p: Parts) -> None:
             if p.dctx.is_main:
                 p.log(f"stopping after step {step}: the operator's stop asked for a checkpoint")
             break
-    # The last save and its upload: a phase of its own, so the hang timeout of a phase with
-    # no steps (checkpointing) applies, not the calibrated step interval.
-    with p.worker.phase("checkpointing"):
-        p.checkpointer.finish()
+    # Past the last step nothing returns to ``training``: the calibrated training timeout is
+    # a few step intervals, and what follows has no steps. The last save and its upload
+    # (and the memory tier's last commit) wait in ``checkpointing``; the digest, closing and
+    # the process-group teardown (which waits for every peer, rank 0 still committing
+    # included) run in ``finishing``.
+    p.worker.set_phase("checkpointing")
+    p.checkpointer.finish()
+    if p.memory is not None:
+        p.memory.wait()
+    p.worker.set_phase("finishing")
     # Every rank reports its parameters' checksum: replicas (DDP) that disagree have drifted.
     digest = tensors_digest(p.stepper.local_tensors())
     p.log(f"final parameters: crc32 {digest['crc32']} over {digest['numel']} local values")

@@ -73,16 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     dctx = init_distributed(settings.trainer)
     startup["dist_ready"] = time.time()
     parts = None
+    trained = False
     try:
         parts = build_parts(settings, dctx, ctx, worker, log)
         startup["built"] = time.time()  # model, optimizer, data, and the checkpoint restore
         parts.startup = startup
-        train(parts)
+        train(parts)  # returns in the ``finishing`` phase
+        trained = True
         log(f"done: step {parts.progress.step}, {parts.progress.tokens} tokens")
     finally:
         if parts is not None:
             parts.checkpointer.close()
-        teardown()
+            if parts.memory is not None:
+                parts.memory.close()
+        # After a completed run every rank leaves together (as NCCL's teardown does anyway);
+        # after an error, a peer may be gone: no collective then.
+        teardown(dctx if trained else None)
         ow.shutdown()
     return 0
 

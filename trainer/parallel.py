@@ -10,6 +10,8 @@ the model instead (``trainer.backends.neuron_tp``). ``trainer.backends`` picks p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -29,11 +31,14 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, device_type: str) -> None:
     # In place (Module.compile): torch.compile(block) would add "_orig_mod." to every
-    # state-dict key and break checkpoints made without compile.
+    # state-dict key and break checkpoints made without compile. The compiler backend is the
+    # device's (trainer.backends.torchneuron: "neuron" on Trainium's native device).
+    from trainer.backends.torchneuron import compile_kwargs
+
     for block in model.layers:
-        block.compile()
+        block.compile(**compile_kwargs(device_type))
 
 
 def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
@@ -75,27 +80,39 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
-                dctx: DistContext, seed: int) -> nn.Module:
+                dctx: DistContext, seed: int,
+                before_shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Apply AC, compile and the sharding strategy to a meta-device model; materialise it.
 
-    FSDP2 shards before materialising, so a 7B model never exists unsharded on a rank.
-    DeepSpeed gets the plain materialised module (its engine partitions it). Returns the
-    module to train (or to hand to the engine).
+    FSDP2 shards before materialising, so a 7B model never exists unsharded on a rank, unless
+    ``before_shard`` is given: then the model is materialised whole, handed to it (QLoRA loads
+    its base and quantizes it to NF4 there, for FSDP2 to shard the NF4 tensors as they are)
+    and sharded after. DeepSpeed gets the plain materialised module (its engine partitions
+    it). Returns the module to train (or to hand to the engine).
     """
     strategy = par.strategy
     if strategy not in ("fsdp2", "ddp", "none", "deepspeed"):
         # Neuron's tensor-parallel layers are a different module tree, built by NxD.
         raise ValueError(f"parallelism.strategy {strategy!r} does not use our Transformer "
                          "module as is: see trainer.backends")
+    fsdp = strategy == "fsdp2" and dctx.distributed
+    if before_shard is not None and not fsdp:
+        raise ValueError("before_shard is for a model FSDP2 shards")
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile:
-        apply_compile(model)
-    offload = strategy == "fsdp2" and dctx.distributed and par.offload == "params"
-    if strategy == "fsdp2" and dctx.distributed:
-        apply_fsdp(model, par, prec, dctx.world_size)
+        apply_compile(model, dctx.device.type)
+    offload = fsdp and par.offload == "params"
     # CPU offload: the shards live in host memory; the RoPE tables (buffers, not sharded)
     # stay on the compute device.
-    materialize(model, torch.device("cpu") if offload else dctx.device, seed)
+    device = torch.device("cpu") if offload else dctx.device
+    if before_shard is not None:
+        materialize(model, device, seed)
+        before_shard(model)
+        apply_fsdp(model, par, prec, dctx.world_size)
+    else:
+        if fsdp:
+            apply_fsdp(model, par, prec, dctx.world_size)
+        materialize(model, device, seed)
     if offload:
         unwrap(model).rope_cos = unwrap(model).rope_cos.to(dctx.device)
         unwrap(model).rope_sin = unwrap(model).rope_sin.to(dctx.device)

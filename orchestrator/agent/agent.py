@@ -23,6 +23,7 @@ from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
+from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.agent.tasks import RootTaskFailed, RootTasks
@@ -31,6 +32,7 @@ from orchestrator.logs import get_logger
 from orchestrator.protocol import (
     Assignment,
     Heartbeat,
+    ProfileOrder,
     RankExit,
     RankInfo,
     RanksStarted,
@@ -68,11 +70,13 @@ class Agent:
         self._registered = asyncio.Event()
         self._exit = asyncio.Event()
         self._done_signals: set[int] = set()
+        self._done_profiles: set[int] = set()
         self._last_contact = time.monotonic()
         self.node_config = NodeConfig.unknown()
         self._free_port = self.node_config.free_port()
         self._port_announced = False  # registered again with the job's own port choice
         self.health = HealthWork(node_id, run_dir, self._rank_env, self._queue, self._renew_port)
+        self.memory: NodeMemory | None = None  # the memory tier's files, while on
 
     # -- main --------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -103,6 +107,8 @@ class Agent:
                 await self.ranks.stop(grace=10.0 if failure is None else 3.0)
             await self._flush_events(timeout=3.0)
             await roots.cancel()
+        if self.memory is not None:  # the memory tier lives as long as its agent
+            self.memory.free()
         await self.sock.close()
         self.log.info("agent exiting", failed=failure is not None)
         if failure is not None:
@@ -166,6 +172,7 @@ class Agent:
                 info.step_interval_max = beat.interval_max
                 info.progress = beat.progress if beat.progress in ("sdk", "hook") else None
                 info.finished = beat.finished
+                info.step_time, info.data_wait = beat.step_time, beat.data_wait
             infos.append(info)
         return infos
 
@@ -236,6 +243,10 @@ class Agent:
                 self._done_signals.add(order.id)
                 if self.ranks is not None:
                     await self._signal(order.rank, order.signal)
+        for profile in a.profiles:
+            if profile.id not in self._done_profiles:
+                self._done_profiles.add(profile.id)
+                self._profile(profile)
         current = self.ranks.generation if self.ranks is not None else None
         if a.action == "health" and a.health is not None:
             if self.ranks is not None and self.ranks.alive:
@@ -253,6 +264,18 @@ class Agent:
         elif a.action == "exit":
             await self._stop_ranks(report=True, generation=current)
             self._exit.set()
+
+    def _profile(self, order: ProfileOrder) -> None:
+        """A profile order: each of its ranks running here gets a ``profile`` line."""
+        running = self.ranks is not None and self.ranks.generation == order.generation
+        mine = {r.rank for r in self.ranks.ranks} if running and self.ranks else set()
+        for rank in order.ranks:
+            if rank in mine:
+                self.hub.send_order(rank, {"t": "profile", "id": order.id,
+                                           "start_step": order.start_step,
+                                           "steps": order.steps})
+        self.log.info("profile order", id=order.id, start_step=order.start_step,
+                      steps=order.steps, ranks=sorted(mine & set(order.ranks)))
 
     async def _signal(self, rank: int, sig: str) -> None:
         """A signal order. SIGUSR1 asks for the rank's stacks: sent where faulthandler will
@@ -284,10 +307,30 @@ class Agent:
         self._free_port = self.node_config.free_port()
         return self._free_port
 
+    def _memory_env(self, a: Assignment) -> dict[str, str]:
+        """Size this node's memory-tier slots for ``a``'s ranks; the ranks' variable."""
+        nc = self.node_config
+        if nc.memory_root is None or a.nproc <= 0:
+            return {}
+        if self.memory is None:
+            self.memory = NodeMemory(nc.memory_root, self.run_dir, self.node_id)
+        try:
+            slot = self.memory.provision(
+                [a.rank_offset + i for i in range(a.nproc)], a.world_size, a.nproc,
+                nc.memory_max_bytes, nc.memory_partner)
+        except OSError as exc:  # the tier is an optimisation: ranks fall back to durable
+            self.log.warning("memory tier unavailable", path=str(self.memory.path),
+                             error=str(exc))
+            return {}
+        self.log.info("memory tier", path=str(self.memory.path), slot_bytes=slot,
+                      budget_bytes=self.memory.budget)
+        return ec.memory_env(str(self.memory.path))
+
     async def _start_ranks(self, a: Assignment) -> None:
         self.hub.reset()
         nc = self.node_config
-        self.ranks = RankSet(a, self._rank_env(), self.run_dir / "logs", self._on_rank_exit,
+        env = {**self._rank_env(), **self._memory_env(a)}
+        self.ranks = RankSet(a, env, self.run_dir / "logs", self._on_rank_exit,
                              RankSetup(run_dir=self.run_dir, job=nc.job,
                                        max_restarts=nc.max_restarts, workdir=nc.workdir))
         infos = await self.ranks.start(self.warm)

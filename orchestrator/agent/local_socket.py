@@ -2,13 +2,16 @@
 
 Ranks send ``beat`` lines (their latest progress and step records) and ``event`` lines
 (checkpoint committed, ...). The agent keeps the newest beat of each rank and the step
-records not yet relayed; events are handed on at once.
+records not yet relayed; events are handed on at once. The other way, the agent writes
+orders for a rank (``profile`` lines) on the connection that rank last beat on; one the rank
+has not connected for yet waits for its first beat.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -20,6 +23,10 @@ from orchestrator.logs import get_logger
 # Records held for the supervisor while it is unreachable; beyond this the oldest are
 # dropped (they are in the worker's own logs; the stream resumes when it is back).
 _MAX_PENDING_RECORDS = 50_000
+# Orders held for a rank that has not connected yet (a profile order is one line).
+_MAX_PENDING_ORDERS = 16
+# A rank's summarized step time or data wait above this is not a measurement (a week).
+_MAX_SECONDS = 7 * 86400.0
 
 
 @dataclass
@@ -34,6 +41,16 @@ class BeatState:
     beat_ts: float | None = None
     progress: str | None = None  # "sdk" or "hook": who counts this rank's steps
     finished: bool = False  # the rank's last beat: it is tearing down
+    step_time: float | None = None  # mean of the rank's recent own step times
+    data_wait: float | None = None  # mean of its recent data waits (the ``data_s`` metric)
+
+
+def _seconds(value: Any) -> float | None:
+    """A worker's summary figure if it is one (finite, in range), else None."""
+    if isinstance(value, float | int) and not isinstance(value, bool) \
+            and math.isfinite(value) and 0 <= value <= _MAX_SECONDS:
+        return float(value)
+    return None
 
 
 @dataclass
@@ -44,6 +61,29 @@ class LocalHub:
     beats: dict[int, BeatState] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     records_generation: int | None = None
+    # Per rank: where to write its orders (the connection it last beat on), and orders
+    # waiting for it to connect.
+    writers: dict[int, Callable[[bytes], None]] = field(default_factory=dict)
+    pending: dict[int, list[bytes]] = field(default_factory=dict)
+
+    def send_order(self, rank: int, order: dict[str, Any]) -> None:
+        line = (json.dumps(order) + "\n").encode()
+        write = self.writers.get(rank)
+        if write is not None:
+            try:
+                write(line)
+                return
+            except (ConnectionError, RuntimeError, OSError):
+                self.writers.pop(rank, None)
+        queue = self.pending.setdefault(rank, [])
+        queue.append(line)
+        del queue[:-_MAX_PENDING_ORDERS]
+
+    def connected(self, rank: int, write: Callable[[bytes], None]) -> None:
+        """``rank`` beat on the connection ``write`` writes to: its orders go there."""
+        self.writers[rank] = write
+        for line in self.pending.pop(rank, []):
+            write(line)
 
     def handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("t")
@@ -60,6 +100,8 @@ class LocalHub:
             progress = msg.get("progress")
             st.progress = progress if progress in ("sdk", "hook") else None
             st.finished = msg.get("finished") is True
+            st.step_time, st.data_wait = _seconds(msg.get("step_time")), \
+                _seconds(msg.get("data_wait"))
             recs = msg.get("records") or []
             if recs:
                 if self.records_generation != st.generation:
@@ -76,6 +118,8 @@ class LocalHub:
     def reset(self) -> None:
         self.beats.clear()
         self.records = []
+        self.writers.clear()
+        self.pending.clear()
 
 
 class LocalSocketServer:
@@ -105,9 +149,15 @@ class LocalSocketServer:
                     continue
                 if isinstance(msg, dict):
                     self.hub.handle(msg)
+                    rank = msg.get("rank")
+                    if msg.get("t") == "beat" and isinstance(rank, int) \
+                            and self.hub.writers.get(rank) != writer.write:
+                        self.hub.connected(rank, writer.write)
         except (ConnectionError, asyncio.LimitOverrunError, ValueError) as exc:
             self.log.warning("worker socket error", error=str(exc))
         finally:
+            for rank in [r for r, w in self.hub.writers.items() if w == writer.write]:
+                del self.hub.writers[rank]  # its next connection takes its orders
             writer.close()
 
     async def close(self) -> None:

@@ -3,7 +3,7 @@
 The agent runs ranks in ``job.workdir`` (``{node_id}`` substituted), offers a rendezvous port
 from ``job.master_port`` / ``job.master_port_range`` (or any free port), tells ranks
 torchrun's ``TORCHELASTIC_MAX_RESTARTS`` from ``restart.max_restarts``, and stops ranks with
-``timeouts.stop_grace_s``.
+``timeouts.stop_grace_s``, and keeps the memory tier's files (``checkpoint.memory_*``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ class NodeConfig:
     master_port_range: tuple[int, int] | None = None
     node_lost_s: float = 30.0
 
+    # The memory tier (checkpoint.memory_*): None when off.
+    memory_root: Path | None = None
+    memory_max_bytes: int = 0
+    memory_partner: bool = True
+
     @property
     def beat_timeout_s(self) -> float:
         """How long a heartbeat or an event batch waits for its answer: as long as the
@@ -76,10 +81,14 @@ class NodeConfig:
         workdir = None
         if job.workdir is not None:
             workdir = Path(job.workdir.format(node_id=node_id)).expanduser().absolute()
+        ck = cfg.checkpoint
+        memory_on = ck.memory_interval_steps is not None
         return cls(job=job.name, max_restarts=cfg.restart.max_restarts,
                    stop_grace_s=cfg.timeouts.stop_grace_s, workdir=workdir,
                    master_port=job.master_port, master_port_range=job.master_port_range,
-                   node_lost_s=cfg.timeouts.node_lost_s)
+                   node_lost_s=cfg.timeouts.node_lost_s,
+                   memory_root=Path(ck.memory_root).expanduser() if memory_on else None,
+                   memory_max_bytes=ck.memory_max_bytes, memory_partner=ck.memory_partner)
 
     def free_port(self) -> int:
         """The rendezvous port this node offers: the fixed one, a free one in the range

@@ -134,6 +134,26 @@ def down(
 
 
 @app.command()
+def profile(
+    run_dir: RunDirArg = None,
+    steps: Annotated[int, typer.Option(
+        "--steps", "-n", min=1, max=200, help="Steps to profile (1-200).")] = 5,
+    rank: Annotated[list[int] | None, typer.Option(
+        "--ranks", "--rank", "-r", min=0,
+        help="A rank to profile (repeatable; default: every rank).")] = None,
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="Wait until every rank has written its trace.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait waits.")] = 600.0,
+) -> None:
+    """Profile the next N steps of a running job with torch.profiler (no restart).
+
+    Traces (Chrome/Perfetto JSON) go to RUN_DIR/profiles/<first step>/rank-K/."""
+    from orchestrator.cli.profile import profile_job
+
+    raise typer.Exit(profile_job(run_dir, steps, rank, wait, timeout))
+
+
+@app.command()
 def logs(
     run_dir: RunDirArg = None,
     rank: Annotated[list[int] | None, typer.Option(

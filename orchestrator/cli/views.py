@@ -184,6 +184,8 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     if status["state"] == JobState.STOPPED.value and not alive.running:
         table.add_row("continue with", f"orchestrator up --resume {status['run_dir']}")
     table.add_row("run dir", status["run_dir"])
+    for s in (status.get("stragglers") or {}).get("named", []):
+        table.add_row("straggler", straggler_line(s), style="yellow")
     parts.append(table)
     if status["restarts"] or status["failures"]:
         t = Table(title="failures", title_justify="left")
@@ -209,6 +211,18 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
             t.add_row(str(c["step"]), c["tier"], _fmt_s(time.time() - (c["ts"] or time.time())),
                       "\n".join(str(p) for p in c["paths"].values()))
         parts.append(t)
+    if status.get("profiles"):
+        parts.append(profiles_table(status["profiles"][-3 if compact else None:]))
+    memory = status.get("memory_tier")
+    if memory:
+        restores = status.get("restore_tiers") or []
+        last = f"; last restore: {restores[-1]['tier']} ({restores[-1]['reason']})" \
+            if restores else ""
+        parts.append(Text(
+            f"memory tier: step {memory['step']}, {memory['bytes'] / 2**20:.1f} MiB a rank, "
+            f"{memory['node_bytes'] / 2**20:.1f} of {memory['node_budget_bytes'] / 2**20:.1f}"
+            f" MiB on rank 0's node{' (+ partner copies)' if memory['partner'] else ''}"
+            + last))
     if not compact:
         parts.append(books_table(status["books"]))
     t = Table(title="nodes", title_justify="left")
@@ -218,6 +232,32 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
         t.add_row(node_id, str(n.get("state")), str(n.get("node_rank")), str(n.get("host", "")))
     parts.append(t)
     return parts
+
+
+def straggler_line(s: dict) -> str:
+    """``node-3 (ranks 6, 7): +0.21 s a step (step 1.02 s vs 0.98 s, data wait 0.25 s vs
+    0.01 s) since 12:03:04``."""
+    ranks = ", ".join(str(r) for r in s.get("ranks") or [])
+    wait = "" if s.get("data_wait_s") is None or s.get("peer_data_wait_s") is None else \
+        f", data wait {_num(s['data_wait_s'], '.3g')} s vs {_num(s['peer_data_wait_s'], '.3g')} s"
+    since = time.strftime("%H:%M:%S", time.localtime(s["ts"])) if s.get("ts") else "?"
+    return (f"{s.get('node_id')} (rank{'s' if ',' in ranks else ''} {ranks}): "
+            f"+{_num(s.get('excess_s'), '.3g')} s a step (step {_num(s.get('step_time_s'), '.3g')}"
+            f" s vs {_num(s.get('peer_step_time_s'), '.3g')} s{wait}) since {since}")
+
+
+def profiles_table(profiles: list[dict]) -> Table:
+    t = Table(title="profiles", title_justify="left")
+    for col in ("id", "steps", "state", "ranks written", "size", "traces"):
+        t.add_column(col)
+    for p in profiles:
+        first, last = p["start_step"], p["start_step"] + p["steps"] - 1
+        late = f" (late: {', '.join(map(str, p['late_ranks']))})" if p["late_ranks"] else ""
+        failed = "".join(f"\nrank {r}: {e}" for r, e in p["failed"].items())
+        t.add_row(str(p["id"]), f"{first}-{last}", p["state"] + late,
+                  f"{p['written']} / {p['ranks']}", f"{p['bytes'] / 2**20:.1f} MiB",
+                  p["dir"] + failed)
+    return t
 
 
 def _num(value: object, fmt: str = ".4g") -> str:

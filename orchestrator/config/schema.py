@@ -196,6 +196,9 @@ class PhaseTimeouts(Section):
     )
     checkpointing: float = Field(900, gt=0, description="The blocking part of a save.")
     evaluating: float = Field(1800, gt=0, description="An evaluation pass.")
+    finishing: float = Field(
+        300, gt=0, description="Past the last step: the final commit's wait, the parameter "
+        "digest, process-group teardown (every peer) and exit.")
 
 
 class TimeoutsConfig(Section):
@@ -222,12 +225,26 @@ class TimeoutsConfig(Section):
     training_multiplier: float = Field(
         5.0, gt=1, description="Calibrated training timeout = multiplier x largest recent step."
     )
+    training_floor_calibrated_s: float | None = Field(
+        None, gt=0, description="Once calibration_steps step intervals are measured, the "
+        "training timeout's floor comes down from training_floor_s to this (about a second "
+        "finds a hang of a fast-stepping GPU job within 3 step intervals + 2 s); null: the "
+        "floor stays where it is (a noisy shared CPU host)."
+    )
+    calibration_steps: int = Field(
+        20, ge=1, description="Step intervals measured before the floor comes down.")
     stack_dump_wait_s: float = Field(
         3.0, ge=0, description="On a hang, wait this long for every rank's stack dump."
     )
 
     @model_validator(mode="after")
     def _check(self) -> TimeoutsConfig:
+        low = self.training_floor_calibrated_s
+        if low is not None and low > self.training_floor_s:
+            raise FieldError(
+                "training_floor_calibrated_s",
+                f"training_floor_calibrated_s ({low}) is where the floor comes down to: "
+                f"at most training_floor_s ({self.training_floor_s})")
         if self.node_lost_s <= 2 * self.heartbeat_interval_s:
             raise FieldError(
                 "node_lost_s",
@@ -247,11 +264,36 @@ class RestartConfig(Section):
     backoff_initial_s: float = Field(1.0, ge=0, description="First restart delay.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest restart delay.")
     backoff_multiplier: float = Field(2.0, ge=1, description="Delay growth per restart.")
+    backoff_window_s: float = Field(
+        600.0, ge=0, description="A failure with no other failure in the window this long "
+        "before it restarts at once (no backoff: a job that fails once an hour should not "
+        "wait); later ones in the window back off from backoff_initial_s. 0: always back off.")
     node_failure_limit: int = Field(
         2, gt=0, description="A node blamed for this many failures in the window is excluded "
                              "(when a spare can take its place).")
     node_failure_window_s: float = Field(
         3600.0, gt=0, description="Window for node_failure_limit.")
+
+
+class StragglerConfig(Section):
+    """Naming a rank or node persistently slower than its peers (``supervisor.stragglers``)."""
+
+    enabled: bool = Field(True, description="Compare the ranks' step times and data waits.")
+    margin: float = Field(
+        0.2, gt=0, le=100,
+        description="Slow: a rank's step time or data wait exceeds the median of the other "
+        "ranks' by more than this fraction of their step time (0.2: a fifth of a step).")
+    min_excess_s: float = Field(
+        0.01, ge=0, description="...and by at least this many seconds a step (tiny steps' "
+        "jitter is not a straggler).")
+    window_s: float = Field(
+        120.0, gt=0, description="Persistently: slow at every check for this long before "
+        "the node is named (and back within the margin this long before it is cleared).")
+    check_every_s: float = Field(
+        5.0, gt=0, description="How often the supervisor compares the ranks.")
+    action: Literal["record", "exclude"] = Field(
+        "record", description="record: journal, metrics, status and alert; exclude: also "
+        "take a named node out at the next restart when a spare can take its place.")
 
 
 class MetricsConfig(Section):
@@ -388,6 +430,7 @@ class Config(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
 
@@ -415,4 +458,19 @@ class Config(Section):
             raise FieldError(
                 "trainer.parallelism.backend", "nccl needs cluster.accelerator: cuda"
             )
+        if self.trainer.device == "neuron":
+            self._check_torchneuron()
         return self
+
+    def _check_torchneuron(self) -> None:
+        """TorchNeuron ranks on nodes the Neuron health checks examine, without the torch-xla
+        settings of a configuration written for the NxD backend."""
+        if self.cluster.accelerator != "neuron":
+            raise FieldError("cluster.accelerator", "trainer.device neuron needs "
+                                                    "cluster.accelerator: neuron (the Neuron "
+                                                    "health checks run on those nodes)")
+        xla = sorted(k for k in self.job.env if k.startswith("XLA_") or k == "PJRT_DEVICE")
+        if xla:
+            raise FieldError("job.env", f"{', '.join(xla)} configure torch-xla, which "
+                                        "TorchNeuron (trainer.device: neuron) does not use; "
+                                        "they belong to the NxD backend (trainer.device: xla)")

@@ -39,6 +39,7 @@ from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.outcome import JobFailed, Outcome
 from orchestrator.supervisor.policy import OperatorStop, RestartPolicy
+from orchestrator.supervisor.profiles import ProfileDesk
 from orchestrator.supervisor.recorder import Recorder
 from orchestrator.supervisor.selection import NodeSelection
 from orchestrator.supervisor.stability import StabilityHook
@@ -96,6 +97,7 @@ class Supervisor:
         self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report)
         self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
                                      self.stop_requested, self.transition)
+        self.profiles = ProfileDesk(self.ctx, self.nodes, self.intake)
         self.selection = NodeSelection(self.ctx, self.intake, self.health, self.launcher,
                                        self.agent_spec, self.stop_requested)
         self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
@@ -336,6 +338,7 @@ class Supervisor:
     async def _on_recovering(self, carry: Any) -> Next:
         failure = carry if isinstance(carry, dict) else (
             self.view.failures[-1] if self.view.failures else {})
+        self.intake.stragglers.exclude_at_restart(self.nodes)  # with action: exclude
         try:
             self.stability.roll_back(self.view, failure)
         except OSError as exc:  # resuming the abandoned lineage later would be worse

@@ -72,7 +72,8 @@ class GenerationParts:
                 "nproc": ppn, "world_size": self.cfg.cluster.world_size,
                 "rank_offset": node_rank * ppn, "master_addr": master.addr,
                 "master_port": master.free_port, "entrypoint": self.entrypoint(),
-                "env": env, "signals": [], "preload": self.preload()}
+                "env": env, "signals": [], "profiles": [],
+                "preload": self.preload()}
         view = self.ctx.view
         after = view.failures[-1]["cause"] if view.failures else None
         self.intake.begin_generation(generation, self.cfg.cluster.world_size)

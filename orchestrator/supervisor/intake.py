@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import events as ev
+from orchestrator.chaos import ChaosDriver
 from orchestrator.protocol import (
     Assignment,
     EventBatch,
@@ -35,7 +36,6 @@ from orchestrator.protocol import (
     WorkerEvent,
 )
 from orchestrator.state import Cause, JobState, NodeState
-from orchestrator.chaos import ChaosDriver
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import Suspect, TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
@@ -43,6 +43,7 @@ from orchestrator.supervisor.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
 from orchestrator.supervisor.stability import StabilityHook
+from orchestrator.supervisor.stragglers import StragglerWatch
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Intake:
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         # Beats stamped and hangs judged on the service clock (``deadlines.LoopLag``).
         self.progress = ProgressTracker(ctx.rundir.steps, nodes.judge_clock, ctx.record)
+        self.stragglers = StragglerWatch(ctx)
         self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
                                  ctx.view.chaos_fired)
         self.generation: int | None = None
@@ -83,7 +85,8 @@ class Intake:
         self._config_json: dict[str, Any] | None = None
         self.running_since: float | None = None
         self.training_timeout = TrainingTimeout(
-            ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"))
+            ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"),
+            ctx.view.calibration.get("intervals") or 0)
 
     # -- messages from agents (called by the API server) ------------------------------------
     def on_register(self, req: RegisterRequest) -> RegisterResponse:
@@ -125,6 +128,8 @@ class Intake:
         if node is None:
             raise UnknownNode(hb.node_id)
         self.progress.on_ranks(hb.generation, hb.ranks)
+        if hb.generation is not None and hb.generation == self.generation:
+            self.stragglers.on_ranks(hb.node_id, hb.ranks)
         if hb.records:
             accepted = self.progress.on_records(hb.generation, hb.records)
             if accepted:  # rank 0's records of the running generation only
@@ -360,6 +365,15 @@ class Intake:
                 self.ctx.record(event)
                 self.ctx.log.warning("chaos: rank signalled itself", rank=msg.rank,
                                      signal=event.signal, step=event.step)
+            elif msg.name == "profile_written":
+                self.ctx.record(ev.ProfileWritten(**data, **where, node_id=node_id))
+            elif msg.name == "profile_failed":
+                self.ctx.record(ev.ProfileFailed(**data, **where, node_id=node_id))
+                self.ctx.log.warning("profile failed", rank=msg.rank, error=data.get("error"))
+            elif msg.name == "restore_tier":
+                self.ctx.record(ev.RestoreTier(node_id=node_id, **data, **where))
+            elif msg.name == "memory_tier":
+                self.ctx.record(ev.MemoryTier(node_id=node_id, **data, **where))
             elif msg.name in _PLAIN_WORKER_EVENTS:
                 self.ctx.record(ev.WorkerNote(kind=msg.name, node_id=node_id, **data, **where))
             else:
@@ -385,9 +399,11 @@ class Intake:
         if self.training_timeout.needs_journal():
             self.ctx.record(ev.Calibration(
                 max_interval_s=self.training_timeout.max_interval,
-                training_timeout_s=round(self.training_timeout.value(), 3)))
+                training_timeout_s=round(self.training_timeout.value(), 3),
+                intervals=self.training_timeout.intervals))
         if self.ctx.view.state is JobState.RUNNING and self.running_since is None:
             self.running_since = self.ctx.clock.monotonic()
+        self.stragglers.tick(generation)
         for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
             node = self._node_of_rank(inj.rank)
             if node is None:

@@ -3,8 +3,8 @@
 Only the supervisor serves ``/metrics`` (no multiprocess mode): workers report through
 heartbeats. Names carry the ``orchestrator_`` prefix and base units, counters end in
 ``_total``, the only labels are bounded sets (``job``, ``state``, ``cause``, ``category``,
-``kind``, ``check``). Every labelled series is created at start-up, so a query never sees a
-hole before the first event of its kind. Things that happen between two scrapes (a one-step
+``kind``, ``check``, ``action``). Every labelled series is created at start-up, so a query
+never sees a hole before the first event of its kind. Things that happen between two scrapes (a one-step
 gradient spike, a NaN loss on a skipped step) are counted, not only shown in a gauge.
 
 The goodput books are computed elsewhere (``orchestrator.books``) and pushed in through
@@ -26,6 +26,7 @@ from orchestrator.events import Envelope, as_envelope
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import Cause, JobState, NodeState
 
+STRAGGLER_ACTIONS = ("named", "cleared", "excluded")
 FAILURE_CAUSES = tuple(c.value for c in Cause if c not in (Cause.COMPLETED,))
 # What the stability detectors report (``stability.events.Event.kind``).
 STABILITY_KINDS = ("grad_spike", "grad_spike_end", "growth", "persistent_spike", "nonfinite",
@@ -109,12 +110,32 @@ class SupervisorMetrics:
                                   "Unix time the last step finished.", j, registry=r)
         self.created_ts = Gauge("orchestrator_job_created_timestamp_seconds",
                                 "Unix time the job was created.", j, registry=r)
+        self.memory_bytes = Gauge("orchestrator_checkpoint_memory_bytes",
+                                  "Shared memory the memory tier holds on rank 0's node.", j,
+                                  registry=r)
+        self.memory_budget = Gauge("orchestrator_checkpoint_memory_budget_bytes",
+                                   "Shared memory the memory tier may use on a node.", j,
+                                   registry=r)
         self.health_failures = Counter("orchestrator_health_check_failures_total",
                                        "Failed health checks by check.", ["job", "check"],
                                        registry=r)
         self.late = Counter("orchestrator_supervisor_late_seconds",
                             "Time the supervisor's event loop woke late (more than 20 ms) "
                             "(node-loss deadlines are extended by it).", j, registry=r)
+        self.straggler_nodes = Gauge("orchestrator_straggler_nodes",
+                                     "Nodes named stragglers now (slower than their peers "
+                                     "for the whole straggler window).", j, registry=r)
+        self.straggler_ranks = Gauge("orchestrator_straggler_ranks",
+                                     "Slow ranks on the nodes named stragglers now.", j,
+                                     registry=r)
+        self.straggler_excess = Gauge("orchestrator_straggler_excess_seconds",
+                                      "The worst named straggler's step time or data wait "
+                                      "above its peers' median, per step (0: none).", j,
+                                      registry=r)
+        self.straggler_events = Counter("orchestrator_straggler_events_total",
+                                        "Stragglers named, cleared and excluded.",
+                                        ["job", "action"], registry=r)
+        self._stragglers: dict[str, tuple[int, float]] = {}  # node -> (ranks, excess)
         self._booked: dict[str, float] = {}
         self._last_tokens: tuple[int, float, float] | None = None  # step, tokens, per step
         self._init_series()
@@ -139,10 +160,15 @@ class SupervisorMetrics:
             metric.labels(job)
         for g in (self.goodput, self.step, self.tokens, self.loss, self.lr, self.grad_norm,
                   self.grad_norm_mean, self.spike_length, self.growth, self.param_norm,
-                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts, self.created_ts):
+                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts, self.created_ts,
+                  self.memory_bytes, self.memory_budget):
             g.labels(job)
         self.step_duration.labels(job)
         self.ckpt_blocking.labels(job)
+        for g in (self.straggler_nodes, self.straggler_ranks, self.straggler_excess):
+            g.labels(job).set(0)
+        for action in STRAGGLER_ACTIONS:
+            self.straggler_events.labels(job, action)
 
     # -- updates -----------------------------------------------------------------------------
     def set_info(self, model: str, accelerator: str) -> None:
@@ -181,8 +207,27 @@ class SupervisorMetrics:
                 self.ckpt_blocking.labels(job).observe(e.blocking_s)
         elif isinstance(e, ev.Rollback):
             self.rollbacks.labels(job).inc()
+        elif isinstance(e, ev.MemoryTier):
+            self.memory_bytes.labels(job).set(e.node_bytes)
+            self.memory_budget.labels(job).set(e.node_budget_bytes)
         elif isinstance(e, ev.HealthResult) and not e.ok:
             self.health_failures.labels(job, e.check).inc()
+        elif isinstance(e, ev.Straggler):
+            self.straggler_events.labels(job, e.action).inc()
+            if e.action == "named":
+                self._stragglers[e.node_id] = (len(e.ranks), e.excess_s or 0.0)
+            else:
+                self._stragglers.pop(e.node_id, None)
+            self._set_stragglers()
+        if isinstance(e, ev.GenerationLaunched) and self._stragglers:
+            self._stragglers.clear()  # a new generation is judged afresh
+            self._set_stragglers()
+
+    def _set_stragglers(self) -> None:
+        named = self._stragglers.values()
+        self.straggler_nodes.labels(self.job).set(len(self._stragglers))
+        self.straggler_ranks.labels(self.job).set(sum(n for n, _ in named))
+        self.straggler_excess.labels(self.job).set(max((x for _, x in named), default=0.0))
 
     def on_record(self, rec: dict[str, Any]) -> None:
         """Fold one of rank 0's step records in."""

@@ -3,7 +3,10 @@
 The budget and the no-progress count come from the journal (through ``JobView``), so they
 survive a supervisor restart. The backoff grows with restarts in a row that made no
 committed progress and falls back to the initial delay once a new checkpoint lands: a job
-that fails once a day should not wait minutes because it failed five times last week.
+that fails once a day should not wait minutes because it failed five times last week. The
+first failure in ``backoff_window_s`` (none other that close before it, by the journal's
+timestamps) restarts at once: backing off protects against a failure storm, and one failure
+is not a storm.
 """
 
 from __future__ import annotations
@@ -62,4 +65,16 @@ class RestartPolicy:
         if stalled > self.cfg.max_restarts_without_progress:
             return Decision(False, 0.0,
                             f"{stalled - 1} restarts in a row made no committed progress")
-        return Decision(True, self.backoff(stalled), "restart")
+        return Decision(True, self.delay(view, stalled), "restart")
+
+    def delay(self, view: JobView, stalled: int) -> float:
+        """The newest failure's wait: none when it is the first in ``backoff_window_s``,
+        else the backoff for ``stalled`` restarts in a row without progress."""
+        window = self.cfg.backoff_window_s
+        failures = view.failures
+        newest = failures[-1].get("ts") if failures else None
+        if window > 0 and isinstance(newest, int | float) and not any(
+                isinstance(f.get("ts"), int | float) and newest - f["ts"] <= window
+                for f in failures[:-1]):
+            return 0.0
+        return self.backoff(stalled)

@@ -1,8 +1,8 @@
 """The supervisor's HTTP endpoint: the agents' control API, /metrics, /healthz, /v1/status.
 
 Who may call what (``orchestrator.auth``): the agents' routes (register, heartbeat, events,
-assignment) need a node's own credential, the operator's routes (stop, status) the job secret;
-anything else gets 401. A node speaks only for itself and its ranks (``admission``): a message
+assignment) need a node's own credential, the operator's routes (stop, profile, status) the
+job secret; anything else gets 401. A node speaks only for itself and its ranks (``admission``): a message
 it may not send gets 403 and a ``message_rejected`` journal event naming it, and changes
 nothing. Bodies are parsed straight from bytes into the protocol's strict models: a malformed
 request gets a 4xx naming the problem, never a crash of the supervisor. Size, depth, header
@@ -20,10 +20,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.auth import Principal, authenticate, bearer_of
-from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest, StopRequest
+from orchestrator.protocol import (
+    EventBatch,
+    Heartbeat,
+    ProfileRequest,
+    RegisterRequest,
+    StopRequest,
+)
 from orchestrator.state import NodeState
 from orchestrator.supervisor import admission
 from orchestrator.supervisor.intake import UnknownNode
+from orchestrator.supervisor.profiles import ProfileRefused
 
 if TYPE_CHECKING:
     from orchestrator.config.schema import Config
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
     from orchestrator.supervisor.bookkeeper import BookKeeper
     from orchestrator.supervisor.intake import Intake
     from orchestrator.supervisor.metrics import SupervisorMetrics
+    from orchestrator.supervisor.profiles import ProfileDesk
 
 
 class SupervisorApi(Protocol):
@@ -44,6 +52,7 @@ class SupervisorApi(Protocol):
     rundir: RunDir
     books: BookKeeper
     metrics: SupervisorMetrics
+    profiles: ProfileDesk
     log: Any
 
     @property
@@ -90,6 +99,7 @@ class ApiServer:
         app.router.add_post("/v1/events", self.events)
         app.router.add_get("/v1/assignment", self.assignment)
         app.router.add_post("/v1/stop", self.stop_job)
+        app.router.add_post("/v1/profile", self.profile)
         app.router.add_get("/v1/status", self.status)
         self.app = app
 
@@ -238,6 +248,14 @@ class ApiServer:
         stop = StopRequest() if not body.strip() else await self._parse(request, StopRequest)
         self.sup.request_stop(stop.reason, checkpoint=stop.checkpoint)
         return web.json_response({"stopping": True, "state": self.sup.view.state.value})
+
+    async def profile(self, request: web.Request) -> web.Response:
+        req = await self._parse(request, ProfileRequest)
+        try:
+            event = await self.sup.profiles.order(req)
+        except ProfileRefused as exc:
+            return _error(exc.status, exc.message)
+        return web.json_response(event.fields())
 
     async def status(self, request: web.Request) -> web.Response:
         from orchestrator.status import build_status

@@ -15,7 +15,9 @@ import collections
 import contextlib
 import faulthandler
 import json
+import math
 import os
+import select
 import signal
 import socket
 import threading
@@ -28,11 +30,18 @@ from typing import Any
 from orchestrator import chaos as chaos_
 from orchestrator import envcontract as ec
 from orchestrator.chaos import ChaosPlan
+from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession, warm_up
 
-PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating")
+# ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
+# calibrated training timeout, which is a few step intervals, never judges a rank there.
+PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating",
+          "finishing")
 
 # Step intervals kept to calibrate the hang timeout (largest recent interval).
 _INTERVAL_WINDOW = 50
+# Steps the beat's step-time and data-wait summary averages over (the straggler detector's
+# input: recent enough to follow a change, long enough to smooth one slow step).
+_SUMMARY_STEPS = 20
 # Records buffered while the agent is unreachable; the oldest are dropped past this.
 _MAX_RECORDS = 20_000
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -58,6 +67,7 @@ class WorkerContext:
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
     lr_scale: float = 1.0
     chaos: ChaosPlan = field(default_factory=ChaosPlan)
+    memory_dir: str | None = None  # the node's memory tier (set by the agent when on)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
@@ -73,6 +83,7 @@ class WorkerContext:
             config_path=agent.config_path, run_dir=agent.run_dir,
             checkpoint_root=gen.checkpoint_root, resume_max_step=gen.resume_max_step,
             skip_windows=list(gen.skip_windows), lr_scale=gen.lr_scale, chaos=gen.chaos,
+            memory_dir=agent.memory_dir,
         )
 
 
@@ -95,6 +106,9 @@ class Worker:
         self._phase = "init"
         self._last_step_ts: float | None = None
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVAL_WINDOW)
+        # The straggler detector's inputs: each step's own time and data wait (see _beat).
+        self._step_times: collections.deque[float] = collections.deque(maxlen=_SUMMARY_STEPS)
+        self._data_waits: collections.deque[float] = collections.deque(maxlen=_SUMMARY_STEPS)
         self._phase_since: float | None = None
         self._other_s = 0.0  # seconds in non-training phases since the last step
         self._records: list[dict[str, Any]] = []
@@ -108,6 +122,11 @@ class Worker:
         self.progress = "sdk"
         self.checkpoint_requested = False  # set by CHECKPOINT_REQUEST_SIGNAL
         self._on_step: list[Callable[[int], None]] = []
+        # An armed profile order (set by the beat thread, run by the training thread): the
+        # one attribute the training thread tests per step when nobody asked for a profile.
+        self._profile: ProfileSession | None = None
+        self._profiles_seen: set[int] = set()
+        self._inbox = b""  # a partial line from the agent
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Worker:
@@ -125,7 +144,14 @@ class Worker:
         thread. Tearing down (process groups, interpreter exit) can take seconds on a busy
         host after the last step; ``finished`` tells the supervisor that this silence is
         not a hang."""
-        self._finished = True
+        with self._lock:
+            self._finished = True
+            if self._phase != "finishing":  # a script's own loop ends here: no steps follow
+                self._phase, self._phase_since = "finishing", self._clock()
+        session = self._profile
+        if session is not None:
+            session.abandon()
+            self._profile = None
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
@@ -171,12 +197,22 @@ class Worker:
     def _record_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         now = self._clock()
         with self._lock:
+            interval = None
             if self._last_step_ts is not None:
                 # Time in other phases (a blocking checkpoint save) has timeouts of its own
                 # and would inflate the calibrated training timeout: it is not step time.
-                self._intervals.append(max(0.0, now - self._last_step_ts - self._other_s))
+                interval = max(0.0, now - self._last_step_ts - self._other_s)
+                self._intervals.append(interval)
             self._step, self._last_step_ts = step, now
             self._other_s = 0.0
+            # The step's own time where the script reports it (our trainer: batch to update,
+            # not the wait for its peers at the loop's end), else the interval.
+            own = _number(metrics.get("step_time"))
+            if own is not None or interval is not None:
+                self._step_times.append(own if own is not None else interval)
+            data_s = _number(metrics.get("data_s"))
+            if data_s is not None:
+                self._data_waits.append(data_s)
             if self._phase != "training":
                 self._phase = "training"
             if self._send_records:
@@ -185,6 +221,13 @@ class Worker:
                     del self._records[: len(self._records) - _MAX_RECORDS]
         for hook in self._on_step:
             hook(step)
+        session = self._profile
+        if session is not None:
+            spent = session.on_step(step)
+            with self._lock:  # the profiler's start and export are not step time
+                self._other_s += spent
+            if session.done:
+                self._profile = None
 
     def optimizer_stepped(self, count: int) -> None:
         """The preload hook's report: ``count`` optimizer steps this generation. Ignored once
@@ -232,6 +275,9 @@ class Worker:
     def _beat_loop(self) -> None:
         while not self._stop.wait(self._interval):
             self._beat()
+            # Orders are read here only, never in a beat the training thread sends (a
+            # phase change): arming a profile imports torch.profiler's modules.
+            self._read_orders()
 
     def _beat(self) -> None:
         with self._lock:
@@ -239,12 +285,55 @@ class Worker:
                    "generation": self.ctx.generation, "step": self._step,
                    "phase": self._phase, "last_step_ts": self._last_step_ts,
                    "interval_max": max(self._intervals) if self._intervals else None,
+                   "step_time": _recent_mean(self._step_times),
+                   "data_wait": _recent_mean(self._data_waits),
                    "ts": self._clock(), "records": self._records,
                    "progress": self.progress, "finished": self._finished}
             records, self._records = self._records, []
         if not self._send(msg) and records:
             with self._lock:  # keep them for the next beat
                 self._records[:0] = records
+
+    def _read_orders(self) -> None:
+        """Orders the agent wrote back on our socket (profile orders), without waiting: a
+        poll of the socket after each of the beat thread's beats."""
+        with self._send_lock:
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                while select.select([sock], [], [], 0)[0]:
+                    chunk = sock.recv(65536)
+                    if not chunk:  # the agent closed it: reconnect on the next send
+                        sock.close()
+                        self._sock = None
+                        break
+                    self._inbox += chunk
+                    if len(self._inbox) > 1 << 20:  # never a real order: drop the garbage
+                        self._inbox = b""
+            except (OSError, ValueError):
+                return
+            lines = self._inbox.split(b"\n")
+            self._inbox = lines.pop()
+        for line in lines:
+            self._take_order(line)
+
+    def _take_order(self, line: bytes) -> None:
+        try:
+            order = ProfileOrder.parse(json.loads(line))
+        except (ValueError, BadOrder) as exc:
+            self.event("profile_failed", error=f"bad order from the agent: {exc}"[:4000])
+            return
+        if order.id in self._profiles_seen:
+            return
+        self._profiles_seen.add(order.id)
+        if self._profile is not None or not self.ctx.run_dir:
+            self.event("profile_failed", id=order.id, start_step=order.start_step,
+                       error="a profile is already running on this rank" if self._profile
+                       else "no run directory to write the trace to")
+            return
+        self._profile = ProfileSession(order, self.ctx.rank, self.ctx.run_dir, self.event)
+        warm_up()  # here, not in the training step that starts the profiler
 
     def _send(self, msg: dict[str, Any]) -> bool:
         if not self._socket_path:
@@ -266,6 +355,21 @@ class Worker:
                             self._sock.close()
                     self._sock = None
         return False
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, float | int) and not isinstance(value, bool) \
+        else None
+
+
+def _recent_mean(values: collections.deque[float]) -> float | None:
+    """Mean of the last ``_SUMMARY_STEPS`` values (finite, >= 0), or None."""
+    n = min(len(values), _SUMMARY_STEPS)
+    if n == 0:
+        return None
+    total = math.fsum(values[i] for i in range(len(values) - n, len(values)))
+    mean = total / n
+    return round(mean, 6) if math.isfinite(mean) and mean >= 0 else None
 
 
 def _plain(d: Mapping[str, Any]) -> dict[str, Any]:

@@ -79,6 +79,18 @@ def test_api_requires_the_token_and_rejects_garbage(tmp_path: Path, dataset_dir:
             {"node_id": "n0", "events": [{"type": "bogus"}]}).encode())
         assert code == 422
         assert _call(f"{base}/healthz", None, None, "GET")[0] == 200
+        # A profile: the operator's route, its body checked, and only for a running job.
+        profile = json.dumps({"steps": 3}).encode()
+        assert _call(f"{base}/v1/profile", "wrong", profile)[0] == 401
+        assert _call(f"{base}/v1/profile", cred, profile)[0] == 403
+        for bad, field in (({"steps": 0}, "steps"), ({"steps": 201}, "steps"),
+                           ({"steps": "3"}, "steps"), ({"steps": 3, "ranks": [-1]}, "ranks"),
+                           ({"steps": 3, "ranks": []}, "ranks"), ({"steps": 3, "x": 1}, "x")):
+            code, body = _call(f"{base}/v1/profile", token, json.dumps(bad).encode())
+            assert code == 422 and any(field in p for p in body["problems"]), (bad, body)
+        code, body = _call(f"{base}/v1/profile", token, profile)
+        assert code == 409 and "no running job" in body["error"]
+        assert not [e for e in journal(run) if e["kind"] == "profile_requested"]
         # Nothing of the refused requests reached the journal but the refusal, naming the node.
         assert not [e for e in journal(run) if e["kind"] == "node_registered"]
         refused = [e for e in journal(run) if e["kind"] == "message_rejected"]

@@ -151,14 +151,82 @@ def test_export_merges_adapters_and_writes_peft_adapter(tmp_path: Path, clean_lo
     torch.testing.assert_close(via_peft, ours, atol=2e-4, rtol=1e-4)
 
 
-def test_qlora_on_ddp_trains_an_nf4_base(tmp_path: Path, dataset_dir: Path,
-                                         hf_base: Path) -> None:
-    qlora = {"method": "qlora", "rank": 4, "alpha": 8.0, "nf4_scaler_block_size": 64}
+# 2 FSDP2 ranks split every NF4 weight of the tiny preset evenly with 32 x 64-value blocks.
+QLORA = {"method": "qlora", "rank": 4, "alpha": 8.0, "nf4_scaler_block_size": 32}
+
+
+@pytest.fixture(scope="module")
+def clean_qlora(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path,
+                hf_base: Path) -> Path:
+    """QLoRA under FSDP2: the NF4 base is sharded over the two ranks."""
+    tmp = tmp_path_factory.mktemp("qlora-clean")
+    cfg = write_config(tmp / "job.yaml", dataset_dir, trainer=_trainer(hf_base, QLORA))
+    result = up(cfg, tmp / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    return tmp / "run"
+
+
+def _losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def test_qlora_on_fsdp2_shards_the_nf4_base_and_checkpoints_adapters(clean_qlora: Path) -> None:
+    for rank in (0, 1):
+        log = (clean_qlora / "logs" / f"rank-{rank:05d}.log").read_text()
+        assert "NF4 base: 8 of 8 weights, sharded 2 ways" in log, log[-2000:]
+    sd = final_state_dict(_step_dir(clean_qlora))
+    weights = sorted(k for k in sd if k.startswith("app.model."))
+    assert len(weights) == 16 and all(".lora_A." in k or ".lora_B." in k for k in weights)
+    assert all(sd[k].abs().sum() > 0 for k in weights if ".lora_B." in k)  # they trained
+    manifest = layout.verify(str(_step_dir(clean_qlora))).manifest
+    assert manifest is not None and manifest["finetune"]["method"] == "qlora"
+    assert manifest["finetune"]["nf4_scaler_block_size"] == 32
+    assert len(_losses(clean_qlora)) >= STEPS
+
+
+def test_qlora_on_fsdp2_kill_resumes_bit_exactly(tmp_path: Path, dataset_dir: Path,
+                                                 hf_base: Path, clean_qlora: Path) -> None:
+    kill = random.Random().randrange(11, 19)  # after the first checkpoint (10)
+    print(f"chaos kill at step {kill}")
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer=_trainer(hf_base, QLORA),
+                       chaos={"kill": [{"step": kill}], "seed": kill})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert [r["cause"] for r in status(tmp_path / "run")["restarts"]] == ["worker_exit"]
+    assert [e["step"] for e in journal(tmp_path / "run") if e["kind"] == "resumed"] == [10]
+    a = final_state_dict(_step_dir(clean_qlora))
+    b = final_state_dict(_step_dir(tmp_path / "run"))
+    assert assert_bit_identical(a, b, STATE) > 40
+    assert _digests(tmp_path / "run") == _digests(clean_qlora)
+
+
+def test_qlora_on_fsdp2_exports_merged_weights(tmp_path: Path, clean_qlora: Path,
+                                               hf_base: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    step = _step_dir(clean_qlora)
+    out = _cli("export", "--checkpoint", str(step), "--to-hf", str(tmp_path / "merged"))
+    assert out.returncode == 0, out.stderr
+    assert "merged qlora adapters" in out.stdout
+    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(4))
+    ours = _adapted_logits(step, hf_base, tokens)  # the NF4 base's round trip + adapters
+    with torch.no_grad():
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()(tokens).logits
+        plain = LlamaForCausalLM.from_pretrained(hf_base).eval()(tokens).logits
+    assert not torch.allclose(ours, plain, atol=1e-3)
+    torch.testing.assert_close(merged, ours, atol=2e-4, rtol=1e-4)
+
+
+def test_qlora_on_ddp_trains_an_nf4_base(tmp_path: Path, dataset_dir: Path, hf_base: Path,
+                                         clean_qlora: Path) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir,
-                       trainer=_trainer(hf_base, qlora, strategy="ddp", steps=12),
+                       trainer=_trainer(hf_base, QLORA, strategy="ddp", steps=12),
                        checkpoint={"interval_steps": 6})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
+    log = (tmp_path / "run" / "logs" / "rank-00000.log").read_text()
+    assert "NF4 base: 8 of 8 weights, sharded 1 ways" in log  # replicated, not sharded
     step = tmp_path / "run" / "checkpoints" / "t" / "step-00000012"
     sd = final_state_dict(step)
     weights = [k for k in sd if k.startswith("app.model.")]
@@ -168,6 +236,9 @@ def test_qlora_on_ddp_trains_an_nf4_base(tmp_path: Path, dataset_dir: Path,
     # DDP replicas agree: both ranks report the same adapters.
     digests = _digests(tmp_path / "run")
     assert digests[0] == digests[1]
+    # The same NF4 base, adapters and batches as the FSDP2 run: the first step's loss (the
+    # base's, B = 0) agrees, so FSDP2's all-gathered NF4 weights are the whole ones.
+    assert _losses(tmp_path / "run")[0] == pytest.approx(_losses(clean_qlora)[0], abs=1e-5)
     out = _cli("export", "--checkpoint", str(step), "--to-hf", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
     assert "merged qlora adapters" in out.stdout

@@ -1,10 +1,12 @@
 """Parallelism backends: one module per family of ``trainer.parallelism.strategy``.
 
 - ``native``: FSDP2 (``fully_shard``), DDP and none, on torch.distributed; DCP checkpoints.
+  On CPU, CUDA or Trainium's native ``neuron`` device (``torchneuron``: TorchNeuron, Neuron
+  SDK 2.33+).
 - ``deepspeed``: ZeRO stages 0-3 through ``deepspeed.initialize``; DeepSpeed's own checkpoint
   files, committed by our manifest.
 - ``neuron``: Trainium through torch-xla and neuronx-distributed (tensor parallel + ZeRO-1);
-  NxD checkpoints, committed by our manifest.
+  NxD checkpoints, committed by our manifest. Neuron SDK 2.31 or earlier.
 
 Each backend module imports its third-party library lazily (inside functions), so importing
 this package, or the trainer with another strategy, never needs DeepSpeed or the Neuron SDK.

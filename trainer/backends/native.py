@@ -1,5 +1,8 @@
 """The native backend: FSDP2, DDP or a single replica, on plain torch.distributed.
 
+It runs on CPU, CUDA and Trainium's native ``neuron`` device (TorchNeuron: what differs there,
+the device, the process group and the compiler backend, is ``trainer.backends.torchneuron``).
+
 The model is sharded or wrapped by ``trainer.parallel.parallelize``; the step is plain torch
 (gradient sync only on the last micro-batch, our ``clip_grad_norm_``, then the optimizer
 unless a ``skip_step`` rule says no); checkpoints are DCP (``trainer.state``).
@@ -16,6 +19,7 @@ from torch import nn
 
 from stability.norms import clip_grad_norm_, param_norm
 from trainer.backends.base import Backend, Decide, MicroBatches, StepOutcome, lm_loss, mean_loss
+from trainer.backends.torchneuron import compile_kwargs
 from trainer.distributed import DistContext
 
 if TYPE_CHECKING:
@@ -50,7 +54,8 @@ class TorchStepper:
                          if p.requires_grad or cfg.finetune is None]
         # Compiled, the upcast and the log-softmax fuse: the fp32 logits (4 bytes x vocab x
         # tokens, 1 GB for the 1.14B model's batch) are never materialised.
-        self.loss_fn = torch.compile(lm_loss) if cfg.parallelism.compile else lm_loss
+        self.loss_fn = torch.compile(lm_loss, **compile_kwargs(device.type)) \
+            if cfg.parallelism.compile else lm_loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP2 casts through its mixed-precision policy; DDP and none use autocast.
@@ -101,6 +106,7 @@ class NativeBackend(Backend):
         self.settings = settings
 
     def build_model(self, settings: WorkerSettings, dctx: DistContext) -> nn.Module:
+        """The model to train; under LoRA/QLoRA with the frozen base loaded (and in NF4)."""
         from trainer import model as model_mod
         from trainer.parallel import parallelize
         from trainer.presets import resolve_model_args
@@ -111,11 +117,25 @@ class NativeBackend(Backend):
             from trainer.precision import fp8
 
             fp8.convert(model, dctx.device, fsdp=self._fsdp(settings, dctx))
-        if cfg.finetune is not None:
-            from trainer.finetune import add_adapters
+        if cfg.finetune is None:
+            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+        from trainer.finetune import add_adapters, prepare_base
 
-            model = add_adapters(model, cfg.finetune)
-        return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+        model = add_adapters(model, cfg.finetune)
+        nf4_sharded = cfg.finetune.method == "qlora" and self._fsdp(settings, dctx)
+
+        def load_base(m: nn.Module) -> None:
+            # Every start, resumed or not: checkpoints hold the adapters only.
+            prepare_base(m, cfg.finetune, str(cfg.model.init_from_hf),
+                         shards=dctx.world_size if nf4_sharded else 1)
+
+        if nf4_sharded:
+            # NF4 before fully_shard: FSDP2 shards torchao's NF4 tensors as they are.
+            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed,
+                               before_shard=load_base)
+        model = parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+        load_base(model)
+        return model
 
     @staticmethod
     def _fsdp(settings: WorkerSettings, dctx: DistContext) -> bool:

@@ -1,5 +1,10 @@
 """Trainium: tensor parallel + ZeRO-1 through neuronx-distributed (NxD) on torch-xla.
 
+The path for Neuron SDK 2.31 or earlier (``trainer.device: xla``, ``parallelism.strategy:
+neuron``): AWS ended NxD Training and the torch-xla training flow with Neuron 2.32. Later SDKs
+run our FSDP2 backend on TorchNeuron's native device instead (``trainer.device: neuron``,
+``trainer.backends.torchneuron``).
+
 APIs used (AWS Neuron SDK; neuronx-distributed's ``trainer`` API as in the
 aws-neuron/neuronx-distributed repository, torch-xla's ``xla_model``):
 
@@ -55,7 +60,8 @@ if TYPE_CHECKING:
     from trainer.config import TrainerConfig
     from trainer.settings import WorkerSettings
 
-NEURON_SDK = "strategy neuron needs torch-neuronx and neuronx-distributed (AWS Neuron SDK)"
+NEURON_SDK = ("strategy neuron needs torch-neuronx and neuronx-distributed (AWS Neuron SDK 2.31 "
+              "or earlier; with 2.33+, TorchNeuron: trainer.device neuron, strategy fsdp2)")
 
 
 def require_neuron() -> Any:

@@ -24,6 +24,9 @@ class ClientStateCheckpointer(Checkpointer):
 
     OWN: tuple[str, ...] = ()  # checkpoint-state keys the writer saves itself
 
+    def prepare_staging(self, state: dict[str, Any]) -> None:
+        """Nothing to stage ahead: these writers stage (or save synchronously) themselves."""
+
     def _gather(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (a collective over the checkpoint group)."""
         if self.group is None:

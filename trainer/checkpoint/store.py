@@ -192,6 +192,14 @@ class CheckpointStore:
                     on_skip(tier.name, info, problems)
         return None
 
+    def newest_committed(self, max_step: int | None = None,
+                         log: Callable[[str], None] = print) -> int | None:
+        """The newest step with a manifest in either tier (<= ``max_step``), unverified: the
+        floor a memory-tier copy must reach (a listing, no file is read)."""
+        steps = [s for found in self._listings(log).values() for s in found
+                 if max_step is None or s <= max_step]
+        return max(steps, default=None)
+
     def _listings(self, log: Callable[[str], None]) -> dict[str, dict[int, Any]]:
         """Committed steps per tier. An unreachable remote tier (retries spent) leaves the
         choice to the local tier instead of failing the restart."""

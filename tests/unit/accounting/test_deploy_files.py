@@ -143,13 +143,13 @@ def test_alertmanager_routes_to_receivers_that_exist() -> None:
             assert set(name.split("|")) <= alerts, matcher
 
 
-def test_the_eight_alerts_and_the_goodput_recording_rule_exist() -> None:
+def test_the_nine_alerts_and_the_goodput_recording_rule_exist() -> None:
     names = {r.get("alert") or r.get("record") for r in rules()}
     assert names == {"OrchestratorTrainingStalled", "OrchestratorLossNotFinite",
                      "OrchestratorGradientSpikePersistent", "OrchestratorGradNormGrowth",
                      "OrchestratorGoodputLow", "OrchestratorRestartStorm",
                      "OrchestratorCheckpointStale", "OrchestratorSupervisorDown",
-                     "job:orchestrator_goodput:ratio_1h"}
+                     "OrchestratorStraggler", "job:orchestrator_goodput:ratio_1h"}
 
 
 @needs_promtool

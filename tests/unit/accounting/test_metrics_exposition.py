@@ -12,7 +12,12 @@ from orchestrator import __version__
 from orchestrator.books import BADPUT_CATEGORIES
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import JobState, NodeState
-from orchestrator.supervisor.metrics import FAILURE_CAUSES, STABILITY_KINDS, SupervisorMetrics
+from orchestrator.supervisor.metrics import (
+    FAILURE_CAUSES,
+    STABILITY_KINDS,
+    STRAGGLER_ACTIONS,
+    SupervisorMetrics,
+)
 
 # name (family, as the parser reports it) -> (type, labels besides job, label values)
 SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
@@ -43,12 +48,19 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_step_duration_seconds": ("histogram", {}),
     "orchestrator_checkpoint_blocking_seconds": ("histogram", {}),
     "orchestrator_last_checkpoint_step": ("gauge", {}),
+    "orchestrator_checkpoint_memory_bytes": ("gauge", {}),
+    "orchestrator_checkpoint_memory_budget_bytes": ("gauge", {}),
     "orchestrator_last_checkpoint_timestamp_seconds": ("gauge", {}),
     "orchestrator_last_step_timestamp_seconds": ("gauge", {}),
     "orchestrator_job_created_timestamp_seconds": ("gauge", {}),
     # One series per check of the health-check catalog.
     "orchestrator_health_check_failures": ("counter", {"check": CHECK_NAMES}),
     "orchestrator_supervisor_late_seconds": ("counter", {}),
+    # Stragglers (orchestrator.supervisor.stragglers): named now, and events by action.
+    "orchestrator_straggler_nodes": ("gauge", {}),
+    "orchestrator_straggler_ranks": ("gauge", {}),
+    "orchestrator_straggler_excess_seconds": ("gauge", {}),
+    "orchestrator_straggler_events": ("counter", {"action": STRAGGLER_ACTIONS}),
 }
 
 
@@ -109,6 +121,8 @@ def test_records_and_events_move_their_metrics(metrics: SupervisorMetrics) -> No
     metrics.on_event({"kind": "failure", "cause": "hang"})
     metrics.on_event({"kind": "checkpoint_committed", "step": 50, "ts": 2000.0,
                       "blocking_s": 0.07})
+    metrics.on_event({"kind": "memory_tier", "step": 50, "bytes": 10, "node_bytes": 40,
+                      "node_budget_bytes": 4096, "partner": True, "ts": 2001.0})
     for step, tokens in ((1, 512), (2, 1024), (3, 1536), (2, 1024), (3, 1536)):  # a resume
         metrics.on_record({"step": step, "tokens": tokens, "loss": 2.5, "lr": 1e-3,
                            "grad_norm": 0.7, "step_time": 0.2, "ts": 3000.0 + step})
@@ -132,6 +146,8 @@ def test_records_and_events_move_their_metrics(metrics: SupervisorMetrics) -> No
     assert val("orchestrator_failures", cause="hang") == 1
     assert val("orchestrator_last_checkpoint_step") == 50
     assert val("orchestrator_last_checkpoint_timestamp_seconds") == 2000.0
+    assert val("orchestrator_checkpoint_memory_bytes") == 40
+    assert val("orchestrator_checkpoint_memory_budget_bytes") == 4096
     assert val("orchestrator_checkpoint_blocking_seconds",
                "orchestrator_checkpoint_blocking_seconds_bucket", le="0.1") == 1
     assert val("orchestrator_training_step") == 4

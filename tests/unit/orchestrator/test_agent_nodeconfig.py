@@ -3,6 +3,7 @@ from a fixed value or a range, torchrun's restart budget; and the config's check
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -35,13 +36,19 @@ def test_a_fixed_master_port_is_offered_as_is() -> None:
 
 
 def test_a_port_range_offers_a_free_port_inside_it() -> None:
-    # A two-port range whose upper port we hold: the lower one (free) is always offered.
-    for _ in range(50):
+    # A two-port range whose upper port we hold: the lower one (free) is always offered. Both
+    # lie below the kernel's ephemeral range, so no other process on a busy host is handed the
+    # free one between our check and the offer (ports from bind(0) raced it before).
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(max(low - 10_000, 1100), low), 200):
         taken = socket.socket()
-        taken.bind(("", 0))
+        try:
+            taken.bind(("", port))
+        except OSError:
+            taken.close()
+            continue
         taken.listen()
-        port = taken.getsockname()[1]
-        if port > 1024 and _bindable(port - 1):
+        if _bindable(port - 1):
             break
         taken.close()
     else:

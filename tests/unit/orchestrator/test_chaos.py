@@ -178,6 +178,8 @@ def test_slow_saves_and_a_slow_final_commit() -> None:
     assert wrapped.save(5) == 0.01 and slept == []
     wrapped.finish()
     assert slept == [3.0] and inner.log == ["save 5", "finish"]
+    # Only rank 0 commits: a peer's finish is not slowed (it waits in the teardown instead).
+    assert chaos.wrap_checkpointer(inner, ChaosPlan(slow_final_commit_s=3.0), rank=1) is inner
     both = chaos.wrap_checkpointer(inner, ChaosPlan(slow_checkpoint_s=1.0), sleep=slept.append)
     both.save(6)
     both.finish()

@@ -18,6 +18,7 @@ from trainer.finetune import (
     is_adapter_key,
     lora_layers,
     prepare_base,
+    quantize_base,
     trainable_counts,
 )
 from trainer.hf_adapters import peft_adapter
@@ -168,8 +169,9 @@ def _problems(tmp_path: Path, trainer: dict) -> dict[str, str]:
 @pytest.mark.parametrize("trainer,field,words", [
     ({"finetune": {"method": "lora"}, "parallelism": {"strategy": "deepspeed"}},
      "trainer.finetune", "strategy fsdp2, ddp or none"),
-    ({"finetune": {"method": "qlora"}, "parallelism": {"strategy": "fsdp2"}},
-     "trainer.finetune.method", "qlora runs with strategy ddp or none"),
+    ({"finetune": {"method": "qlora", "nf4_block_size": 48},
+      "parallelism": {"strategy": "fsdp2"}},
+     "trainer.finetune.nf4_scaler_block_size", "not a multiple"),
     ({"finetune": {"method": "qlora"}, "parallelism": {"strategy": "ddp"}},
      "trainer.finetune.nf4_scaler_block_size", "not a multiple"),
     ({"finetune": {"method": "lora", "target_modules": ["wqkv", "wqkv"]}},
@@ -188,6 +190,9 @@ def test_config_rules(tmp_path: Path, trainer: dict, field: str, words: str) -> 
 def test_a_valid_finetune_section_and_one_without_a_base(tmp_path: Path) -> None:
     assert _problems(tmp_path, {"finetune": {"method": "lora"},
                                 "parallelism": {"strategy": "ddp"}}) == {}
+    # QLoRA with FSDP2: the shards are checked at start, when the world size is known.
+    assert _problems(tmp_path, {"finetune": {"method": "qlora", "nf4_scaler_block_size": 16},
+                                "parallelism": {"strategy": "fsdp2"}}) == {}
     problems = _problems(tmp_path, {"finetune": {"method": "lora"}, "model": {}})
     assert "needs a base" in problems["trainer.finetune"]
 
@@ -214,3 +219,52 @@ def test_fuzzed_finetune_sections_validate_or_raise_value_errors(data: dict) -> 
 def test_finetune_fuzz_count() -> None:
     print(f"finetune config fuzz cases: {FUZZ['finetune']}")
     assert FUZZ["finetune"] >= 100
+
+
+def test_quantize_base_names_a_weight_that_cannot_shard() -> None:
+    # wo is 64 x 64: one scaler block of 64 x 64 values, which 2 FSDP2 ranks cannot split.
+    qlora = FinetuneConfig(method="qlora", rank=4, nf4_scaler_block_size=64)
+    with pytest.raises(ValueError, match=r"attention\.wo: 64 rows and 1 NF4 scaler blocks do "
+                                         r"not both split into 2 FSDP2 shards"):
+        quantize_base(adapted(qlora), qlora, shards=2)
+    small = FinetuneConfig(method="qlora", rank=4, nf4_scaler_block_size=32)
+    assert quantize_base(adapted(small), small, shards=2) == 8
+
+
+SHARD_FUZZ = {"fits": 0, "refused": 0}
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.one_of(st.integers(1, 48), st.integers(1, 12).map(lambda k: 4 * k)),
+       cols=st.sampled_from([16, 32, 64, 96]),
+       block=st.sampled_from([16, 32, 64]), scaler=st.sampled_from([2, 4, 8]),
+       shards=st.integers(1, 4))
+def test_nf4_shard_rule_matches_how_fsdp2_chunks_an_nf4_tensor(rows: int, cols: int,
+                                                              block: int, scaler: int,
+                                                              shards: int) -> None:
+    """Where the rule says yes, FSDP2's dim-0 chunks of torchao's NF4 tensor are exactly the
+    chunks of its dequantized weight; where it says no, torchao cannot quantize the weight
+    or the chunks come out uneven, missing, wrong or not at all."""
+    from torchao.quantization import to_nf4
+
+    from trainer.config import nf4_shard_problem
+
+    ft = FinetuneConfig(method="qlora", nf4_block_size=block, nf4_scaler_block_size=scaler)
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+    problem = nf4_shard_problem((rows, cols), ft, shards)
+    try:
+        nf4 = to_nf4(weight, block, scaler)
+        full = nf4.get_original_weight()
+        chunks = torch.chunk(nf4, shards, dim=0)
+        ok = len(chunks) == shards and all(
+            c.get_original_weight().equal(f) for c, f in zip(chunks, torch.chunk(full, shards)))
+    except (AssertionError, NotImplementedError, RuntimeError, ValueError):
+        ok = False
+    SHARD_FUZZ["refused" if problem else "fits"] += 1
+    # The rule is exact: refused where and only where FSDP2 could not shard it correctly.
+    assert ok == (problem is None), (rows, cols, block, scaler, shards, problem)
+
+
+def test_nf4_shard_fuzz_count() -> None:
+    print(f"nf4 shard rule cases: {SHARD_FUZZ}")
+    assert SHARD_FUZZ["fits"] >= 5 and SHARD_FUZZ["refused"] >= 5

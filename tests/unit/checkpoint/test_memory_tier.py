@@ -1,0 +1,240 @@
+"""The memory tier's format and one rank's save / plan / load, in this process (world 1).
+
+Two ranks, partner copies and fallbacks under real jobs: tests/integration/test_memory_tier.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.agent.memory import NodeMemory
+from trainer.checkpoint import memory_format as mf
+from trainer.checkpoint import signing
+from trainer.checkpoint.memory import MemoryTier
+from trainer.state import Progress
+
+KEY = b"k" * 32
+TRUST = signing.Trust(KEY)
+
+
+class Box:
+    """A Stateful holding a dict of tensors and plain values."""
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd
+
+
+def state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(7, 5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return {"model": Box({"w": model.weight, "b": model.bias,
+                          "i": torch.arange(3, dtype=torch.int64),
+                          "h": torch.randn(4, generator=g).to(torch.bfloat16)}),
+            "extra": Box({"lr": 0.5, "betas": (0.9, 0.95), "names": ["a", "b"], "n": None}),
+            "progress": Progress(seed, seed * 10)}
+
+
+def tier(tmp_path: Path, *, world: int = 1, rank: int = 0, **kw: Any) -> MemoryTier:
+    mem = NodeMemory(tmp_path, tmp_path / "run", "n0")
+    mem.provision([rank], world, 1, 4 * 2**20, partner=False)
+    args = {"rank": rank, "world_size": world, "procs_per_node": 1, "job": "j",
+            "config_hash": "c", "generation": 1, "partner": False, "group": None,
+            "trust": lambda: TRUST, "log": lambda _m: None, **kw}
+    return MemoryTier(mem.path, **args)
+
+
+def test_save_plan_load_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    src = state(1)
+    t.save(5, 50, src)
+    t.wait()
+    t.save(10, 100, state(2))
+    t.wait()  # the other slot: both stay committed
+    dst = state(3)
+    plan = t.plan(durable_step=5, max_step=None)
+    assert plan.use and plan.step == 10, plan.reason
+    t.load(plan, dst)
+    want = state(2)
+    for k in ("w", "b", "i", "h"):
+        assert torch.equal(dst["model"].value[k], want["model"].value[k])
+    assert dst["extra"].value == {"lr": 0.5, "betas": (0.9, 0.95), "names": ["a", "b"],
+                                  "n": None}
+    assert (dst["progress"].step, dst["progress"].tokens) == (2, 20)
+    # A restart capped at step 7 (a rollback) takes the older copy.
+    assert t.plan(durable_step=None, max_step=7).step == 5
+
+
+def test_a_third_save_overwrites_the_older_slot(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    for step in (5, 10, 15):
+        t.save(step, 0, state(step))
+        t.wait()
+    steps = sorted(c.manifest.step for c in t.slots.copies("own", 0))
+    assert steps == [10, 15]
+
+
+def test_older_than_durable_is_not_used(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    t.save(5, 0, state(1))
+    t.wait()
+    plan = t.plan(durable_step=10, max_step=None)
+    assert not plan.use and "at or after the durable step 10" in plan.reason
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("flip", "digest mismatch"), ("manifest", "torn or malformed manifest"),
+    ("key", "forged"), ("world", "world size 2, this run has 1"),
+    ("config", "config hash"), ("gone", "no memory copy")])
+def test_a_damaged_copy_is_never_loaded(tmp_path: Path, damage: str, reason: str) -> None:
+    t = tier(tmp_path)
+    t.save(5, 0, state(1))
+    t.wait()
+    (copy,) = t.slots.copies("own", 0)
+    bin_path = t.slots.path("own", 0, copy.slot, "bin")
+    json_path = bin_path.with_suffix(".json")
+    if damage == "flip":
+        with open(bin_path, "r+b") as f:
+            f.seek(copy.manifest.segments[0].offset + 3)
+            f.write(b"\xff")
+    elif damage == "manifest":
+        json_path.write_bytes(json_path.read_bytes()[:-20])
+    elif damage == "key":
+        t._trust = lambda: signing.Trust(b"x" * 32)
+    elif damage == "world":  # signed with the key, for another world layout
+        raw = json.loads(json_path.read_text())
+        raw.pop("signature")
+        raw["rank"], raw["world_size"] = 1, 2
+        json_path.write_bytes(mf.encode(mf.sign(raw, KEY)))
+    elif damage == "config":
+        t.config_hash = "other"
+    else:
+        json_path.unlink()
+    plan = t.plan(durable_step=None, max_step=None)
+    assert not plan.use
+    assert reason in plan.reason or (damage == "manifest" and "no memory copy" in plan.reason)
+
+
+def test_layout_mismatch_raises_before_loading_anything(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    t.save(5, 0, state(1))
+    t.wait()
+    plan = t.plan(durable_step=None, max_step=None)
+    other = state(2)
+    other["model"].value["w"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="model.w"):
+        t.load(plan, other)
+
+
+def test_invalidate_after_drops_an_abandoned_future(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    t.save(5, 0, state(1))
+    t.wait()
+    t.save(10, 0, state(2))
+    t.wait()
+    assert t.invalidate_after(5) == ["own r0 step 10"]
+    assert [c.manifest.step for c in t.slots.copies("own", 0)] == [5]
+
+
+def test_a_state_larger_than_its_slot_turns_the_tier_off(tmp_path: Path) -> None:
+    mem = NodeMemory(tmp_path, tmp_path / "run", "n0")
+    slot = mem.provision([0], 1, 1, 8 * 4096, partner=False)
+    t = MemoryTier(mem.path, rank=0, world_size=1, procs_per_node=1, job="j",
+                   config_hash="c", generation=1, partner=False, group=None,
+                   trust=lambda: TRUST, log=lambda _m: None)
+    big = {"m": Box({"w": torch.zeros(slot)})}
+    t.save(5, 0, big)
+    t.wait()
+    assert t.disabled_reason is not None and "raise checkpoint.memory_max_bytes" in \
+        t.disabled_reason
+    assert t.slots.copies("own", 0) == []
+
+
+def test_agent_provision_sizes_frees_and_starts_empty(tmp_path: Path) -> None:
+    mem = NodeMemory(tmp_path, tmp_path / "run", "n1")
+    slot = mem.provision([2, 3], 4, 2, 64 * 2**20, partner=True)
+    names = sorted(p.name for p in mem.path.iterdir())
+    assert names == sorted(f"{k}-r{r}-{s}.bin" for k, r in
+                           (("own", 2), ("own", 3), ("partner", 0), ("partner", 1))
+                           for s in "ab")
+    assert slot * len(names) <= 64 * 2**20 and mem.usage() < 64 * 2**20
+    (mem.path / "own-r2-a.json").write_text("{}")
+    again = NodeMemory(tmp_path, tmp_path / "run", "n1")  # a restarted agent
+    again.provision([2, 3], 4, 2, 64 * 2**20, partner=True)
+    assert not (mem.path / "own-r2-a.json").exists()
+    again.free()
+    assert not mem.path.exists()
+
+
+# -- the manifest parser, fuzzed ----------------------------------------------------------
+def _valid() -> dict[str, Any]:
+    return {"format": mf.FORMAT, "job": "j", "config_hash": "c", "rank": 0, "world_size": 2,
+            "step": 5, "tokens": 10, "generation": 1, "keys": ["a"],
+            "segments": [{"offset": 0, "nbytes": 12, "dtype": "float32", "shape": [3]}],
+            "objects": {"offset": 64, "nbytes": 30}, "data_bytes": 94,
+            "digest": "blake3:" + "0" * 64}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2000))
+def test_parser_never_raises_anything_but_value_error_on_bytes(raw: bytes) -> None:
+    try:
+        mf.parse_manifest(raw)
+    except ValueError:
+        pass
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(_valid())), json_values,
+       st.sampled_from(["set", "drop", "extra"]))
+def test_a_mutated_manifest_parses_only_when_still_consistent(field: str, value: Any,
+                                                              how: str) -> None:
+    data = _valid()
+    if how == "set":
+        data[field] = value
+    elif how == "drop":
+        data.pop(field)
+    else:
+        data["x_" + field] = value
+    try:
+        m = mf.parse_manifest(json.dumps(data).encode())
+    except ValueError as exc:
+        assert str(exc)
+        return
+    # Whatever parsed is self-consistent: rank inside the world, aligned, non-overlapping
+    # segments ending at data_bytes; and only a field with a default may be missing.
+    assert how in ("set", "drop") and 0 <= m.rank < m.world_size
+    ends = [s.offset + s.nbytes for s in [*m.segments, m.objects]]
+    assert ends[-1] == m.data_bytes and all(s.offset % mf.ALIGN == 0 for s in m.segments)
+    if how == "drop":
+        assert field in ("config_hash", "generation")
+
+
+def test_slot_names_parse_back() -> None:
+    assert mf.parse_slot_name(mf.slot_name("partner", 12, "b", "json")) == \
+        ("partner", 12, "b", "json")
+    for bad in ("own-r1-c.bin", "../own-r1-a.bin", "own-r-1-a.bin", "x"):
+        assert mf.parse_slot_name(bad) is None

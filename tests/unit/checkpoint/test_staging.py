@@ -1,0 +1,167 @@
+"""Staging buffers allocated ahead (issue 14: no first-save stall): the first save reuses
+buffers made in the background after the first step, every save after it reuses the same,
+what is saved is the state at the save (not at the allocation), and buffers that no longer
+fit are dropped for the old way, never used."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.retry import retrying
+from trainer.checkpoint.staging import fits
+from trainer.checkpoint.store import open_store
+from trainer.config import CheckpointConfig
+from trainer.model import build_model
+from trainer.presets import PRESETS
+from trainer.state import ModelOptimState, Progress
+
+
+@pytest.fixture
+def pg(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo group, as the trainer's checkpoint group would be."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-store", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Trainee:
+    def __init__(self, root: Path, **cfg: Any) -> None:
+        torch.manual_seed(0)
+        self.model = build_model(PRESETS["tiny"])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.progress = Progress()
+        self.state = {"app": ModelOptimState(self.model, self.opt), "progress": self.progress}
+        self.logs: list[str] = []
+        self.cfg = CheckpointConfig(url=str(root), **cfg)
+        self.ckpt = Checkpointer(self.cfg, open_store(self.cfg, "job", str(root),
+                                                      retrying(1, 0.01, 0.01)),
+                                 rank=0, world_size=1, group=None, meta={"job": "job"},
+                                 report=lambda *a, **k: None, log=self.logs.append)
+
+    def step(self) -> None:
+        tokens = torch.randint(0, 264, (2, 16))
+        loss = torch.nn.functional.cross_entropy(self.model(tokens).flatten(0, 1),
+                                                 tokens.flatten())
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.progress.step += 1
+
+    def saved_params(self, step: int) -> dict[str, torch.Tensor]:
+        url = self.ckpt.store.primary.step_url(step)
+        out = {k: torch.empty_like(v) for k, v in self.model.state_dict().items()}
+        dcp.load({"app": {"model": out}}, checkpoint_id=url.removeprefix("file://"))
+        return out
+
+
+def test_the_first_save_uses_buffers_allocated_ahead_and_saves_the_state_at_the_save(
+        tmp_path: Path, pg: None) -> None:
+    t = Trainee(tmp_path / "ck")
+    t.step()
+    t.ckpt.prepare_staging(t.state)  # the loop does this after a generation's first step
+    assert t.ckpt.staging is not None and t.ckpt.staging.started
+    t.ckpt.staging._thread.join()  # noqa: SLF001 - allocated before the save, as on a GPU
+    prepared = t.ckpt.staging._buffers  # noqa: SLF001
+    assert prepared is not None
+    for step in (2, 3):
+        t.step()
+        t.ckpt.save(step, t.state, 0)
+        want = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+        t.ckpt.wait()
+        writer = t.ckpt._staging_writer  # noqa: SLF001
+        assert writer is not None and writer.state_dict_cache is prepared  # reused, kept
+        got = t.saved_params(step)
+        assert all(torch.equal(got[k], want[k]) for k in want), step
+    assert t.ckpt.staging.wait_s >= 0 and t.ckpt.staging.prepare_s is not None
+    assert not [line for line in t.logs if "staging buffers" in line]
+
+
+def test_buffers_that_no_longer_fit_the_state_are_dropped_and_the_save_still_works(
+        tmp_path: Path, pg: None) -> None:
+    t = Trainee(tmp_path / "ck")
+    t.step()
+    t.ckpt.prepare_staging(t.state)
+    t.state["extra"] = {"w": torch.zeros(3)}  # the state grew after the allocation
+    for step in (1, 2):
+        t.ckpt.save(step, t.state, 0)
+        want = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+        t.ckpt.wait()
+        got = t.saved_params(step)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        t.step()
+    assert [line for line in t.logs if "no longer fit" in line] != []
+    writer = t.ckpt._staging_writer  # noqa: SLF001
+    assert writer.state_dict_cache is None and not writer.cache_staged_state_dict
+
+
+def test_stage_ahead_off_and_synchronous_saves_allocate_nothing_ahead(
+        tmp_path: Path, pg: None) -> None:
+    off = Trainee(tmp_path / "a", stage_ahead=False)
+    off.step()
+    off.ckpt.prepare_staging(off.state)
+    assert off.ckpt.staging is None
+    sync = Trainee(tmp_path / "b", async_save=False)
+    sync.step()
+    sync.ckpt.prepare_staging(sync.state)
+    assert sync.ckpt.staging is not None and not sync.ckpt.staging.started
+
+
+FITS_CASES = 150
+_shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+_leaf = st.one_of(st.integers(), st.text(max_size=5), st.none(),
+                  st.tuples(_shapes, st.sampled_from([torch.float32, torch.bfloat16]))
+                  .map(lambda t: torch.zeros(t[0], dtype=t[1])))
+_trees = st.recursive(_leaf, lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=3), kids, max_size=3)),
+    max_leaves=12)
+
+
+def _like(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _like(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_like(v) for v in tree]
+    return torch.empty_like(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def _tensors(tree: Any) -> int:
+    if isinstance(tree, dict):
+        return sum(_tensors(v) for v in tree.values())
+    if isinstance(tree, list):
+        return sum(_tensors(v) for v in tree)
+    return isinstance(tree, torch.Tensor)
+
+
+@settings(max_examples=FITS_CASES, deadline=None)
+@given(tree=_trees)
+def test_buffers_fit_a_state_of_their_own_shape_and_nothing_else(tree: Any) -> None:
+    """Buffers made like a state fit it; a changed shape, dtype, key or length does not;
+    checking copies nothing into them."""
+    buffers = _like(tree)
+    assert fits(tree, buffers)
+    wrapped = {"a": tree}
+    assert not fits({"a": tree, "b": 1}, {"a": buffers})  # a key more
+    assert not fits([tree, tree], [buffers])  # a list longer
+    if _tensors(tree):
+        def grow(t: Any) -> Any:  # every tensor one element longer in a new leading dim
+            if isinstance(t, dict):
+                return {k: grow(v) for k, v in t.items()}
+            if isinstance(t, list):
+                return [grow(v) for v in t]
+            return torch.zeros((1, *t.shape), dtype=t.dtype) if isinstance(t, torch.Tensor) \
+                else t
+        assert not fits(grow(tree), buffers)
+    assert fits(wrapped, {"a": buffers})
