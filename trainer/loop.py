@@ -120,6 +120,12 @@ def _train(p: Parts) -> None:
             p.worker.event("startup", first_step_done=time.time(), **p.startup)
         if first:  # the optimizer's state exists now: the saves' staging can be allocated
             p.checkpointer.prepare_staging(p.checkpoint_state)
+            if p.memory is not None:
+                # And the memory tier's slots faulted in and page-locked, in the background,
+                # now, while the hang floor is still the uncalibrated one: page-locking
+                # gigabytes holds the CUDA driver for seconds, and at the first memory save
+                # (a fresh run's step 50) it stalled a step past a calibrated 3.7 s timeout.
+                p.memory.prepare_saves(p.checkpoint_state)
         first = False
         step = p.progress.step
         stop = _stop_requested(p)

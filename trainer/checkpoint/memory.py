@@ -184,7 +184,7 @@ class MemoryTier:
 
         Only after a restore: ``state_dict()`` of an optimizer with no state yet runs a
         zero-learning-rate step to make one (torch's ``_init_optim_state``), which would
-        count a step a fresh run never took. A fresh run prepares after its first save."""
+        count a step a fresh run never took. A fresh run prepares after its first step."""
         if self._pending is not None or self._prepared:
             return
         self._prepared = True
@@ -206,7 +206,9 @@ class MemoryTier:
             except (OSError, ValueError):  # a kernel before 5.14: pages come on first save
                 pass
             if self.device_type == "cuda":
-                pinned = Pinned(buf, len(buf))
+                # Only what a save of this state uses: a slot is sized for the node's whole
+                # budget, and locking all of it held the driver for seconds more.
+                pinned = Pinned(buf, length)
                 if pinned.ok:
                     self._pinned.append(pinned)
                 else:
