@@ -1,6 +1,6 @@
 """The memory tier's format and one rank's save / plan / load, in this process (world 1).
 
-Two ranks, partner copies and fallbacks under real jobs: tests/integration/test_memory_tier.py.
+Two ranks, partner copies and fallbacks under real jobs: tests/integration/test_memory_tier_jobs.py.
 """
 
 from __future__ import annotations
