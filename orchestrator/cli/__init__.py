@@ -247,6 +247,19 @@ def agent(
                                orphan_timeout))
 
 
+@app.command("node-credential", hidden=True)
+def node_credential(
+    node_id: Annotated[str, typer.Option(help="The node's id (as its agent registers).")],
+    token_file: Annotated[Path, typer.Option(help="The job secret (0400/0600 file).")],
+    out: Annotated[Path, typer.Option(help="Where the node's credential goes (0400).")],
+) -> None:
+    """Write one node's own credential for its agent, which then never holds the job secret
+    (the Kubernetes manifests' init container runs this)."""
+    from orchestrator.cli.control import write_node_credential
+
+    raise typer.Exit(write_node_credential(node_id, token_file, out))
+
+
 @data_app.command("prepare")
 def data_prepare(
     out: Annotated[Path, typer.Option(help="Directory for the shards and index.json.")],

@@ -121,3 +121,43 @@ def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,
     agent = Agent(head, token, node_id, addr=addr, procs=procs, run_dir=run_dir,
                   orphan_timeout_s=orphan_timeout)
     return asyncio.run(agent.run())
+
+
+def write_node_credential(node_id: str, secret_file: Path, out: Path) -> int:
+    """Write ``node_id``'s own credential (``orchestrator.auth.node_credential``) to ``out``,
+    0400: what a Kubernetes init container hands its agent, so the agent never holds the job
+    secret (with it, a node could speak for any other node, or stop the job)."""
+    import re
+    import tempfile
+
+    from orchestrator.auth import authenticate, node_credential
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", node_id):
+        console.print(f"[red]error[/red] node id {node_id!r}: 1-128 of A-Z a-z 0-9 _ . - "
+                      "(starting with a letter or digit)")
+        return 2
+    try:
+        secret = secret_file.read_text().strip()
+    except OSError as exc:
+        console.print(f"[red]error[/red] cannot read the job secret: {exc}")
+        return 2
+    if not secret:
+        console.print(f"[red]error[/red] {secret_file} is empty: no job secret")
+        return 2
+    credential = node_credential(secret, node_id)
+    principal = authenticate(secret, credential)  # the supervisor's own check, once here
+    if principal is None or principal.node_id != node_id:
+        console.print(f"[red]error[/red] node id {node_id!r} cannot carry a credential")
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".credential-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(credential + "\n")
+        os.chmod(tmp, 0o400)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    console.print(f"wrote the credential of node {node_id} to {out}")
+    return 0

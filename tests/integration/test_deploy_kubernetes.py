@@ -84,11 +84,61 @@ def test_the_token_is_a_per_job_generated_secret_both_sides_read() -> None:
                                                          "key": "token"}
     job = _by_kind("Job")[0]
     pod = job["spec"]["template"]["spec"]
-    secret = {v["name"]: v for v in pod["volumes"]}["token"]["secret"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    secret = volumes["token"]["secret"]
     assert secret["secretName"] == "orchestrator-token" and secret["defaultMode"] == 0o400
+    assert volumes["credential"]["emptyDir"]["medium"] == "Memory"
+    # The agent holds its node's credential only; the init container that derives it is
+    # the one container of the pod that mounts the job secret.
     agent = pod["containers"][0]
-    mount = {m["name"]: m for m in agent["volumeMounts"]}["token"]["mountPath"]
-    assert f"--token-file={mount}/token" in agent["args"]
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    assert "token" not in mounts and f"--token-file={mounts['credential']}/token" in agent["args"]
+    init = {c["name"]: c for c in pod["initContainers"]}["node-credential"]
+    init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert init["command"] == ["orchestrator", "node-credential"]
+    assert f"--token-file={init_mounts['token']}/token" in init["args"]
+    assert f"--out={init_mounts['credential']}/token" in init["args"]
+    node_arg = next(a for a in agent["args"] if a.startswith("--node-id="))
+    assert node_arg in init["args"]  # the credential names the node the agent registers as
+    assert [c for c in pod["containers"] if "token" in {m["name"] for m in c["volumeMounts"]}] \
+        == []
+
+
+def test_node_credential_writes_a_credential_the_supervisor_accepts(tmp_path: Path) -> None:
+    """The init container's command, run for real: a 0400 file whose credential authenticates
+    as that node and no other; bad input is refused with a clear error."""
+    import subprocess
+    import sys
+
+    from orchestrator.auth import authenticate
+
+    secret = tmp_path / "secret" / "token"
+    secret.parent.mkdir()
+    secret.write_text("s3cret-of-the-job\n")
+    out = tmp_path / "cred" / "token"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", "node-credential", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    done = run("--node-id=agent-3", f"--token-file={secret}", f"--out={out}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert out.stat().st_mode & 0o777 == 0o400
+    credential = out.read_text().strip()
+    assert "s3cret" not in credential
+    principal = authenticate("s3cret-of-the-job", credential)
+    assert principal is not None and (principal.kind, principal.node_id) == ("node", "agent-3")
+    assert authenticate("another-job", credential) is None
+    again = run("--node-id=agent-3", f"--token-file={secret}", f"--out={out}")  # a restart
+    assert again.returncode == 0 and out.read_text().strip() == credential
+    for args, says in [(["--node-id=agent 3"], "node id"), (["--node-id=-x"], "node id"),
+                       (["--node-id=agent-3"], "cannot read")]:
+        bad = run(*args, f"--token-file={tmp_path / 'missing' if says == 'cannot read' else secret}",
+                  f"--out={tmp_path / 'x'}")
+        assert bad.returncode == 2 and says in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    secret.write_text("  \n")
+    empty = run("--node-id=agent-3", f"--token-file={secret}", f"--out={tmp_path / 'y'}")
+    assert empty.returncode == 2 and "empty" in empty.stdout + empty.stderr
 
 
 def test_agents_are_an_indexed_job_with_node_local_caches() -> None:
