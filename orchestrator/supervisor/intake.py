@@ -261,22 +261,24 @@ class Intake:
                          for s in suspects]})
 
     def _beating(self, suspects: list[Suspect]) -> list[Suspect]:
-        """The suspects whose node was heard from within the suspect's own timeout: a rank
-        quiet because its whole node went quiet for that long is the node-loss check's to
-        judge (with its grace for many silent nodes at once), not a hang: under a burst of
-        late beats every rank of the late nodes looked hung before any node was due to be
-        lost. A node whose beats come in, however late, keeps its hung ranks suspects."""
+        """The suspects, once every suspect's node still beats; none while one's node is
+        quiet. A rank quiet because its whole node went quiet is the node-loss check's to
+        judge (with its grace for many silent nodes at once): under a burst of late beats
+        every rank of the late nodes looked hung before any node was due to be lost. And no
+        other suspect is named meanwhile: with the stopped rank's node late to beat (3 s on
+        a loaded CI host), its blocked peer was named as the hang instead of it. The
+        judgement waits for that node's next beat, or for its loss."""
         if not suspects:
             return suspects
         launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}
         by_rank = {rank: node_id for node_id, rank in launch.get("nodes", {}).items()}
         ppn = self.cfg.cluster.procs_per_node
-        kept = []
+        quiet = max(3 * self.cfg.timeouts.heartbeat_interval_s, 1.0)
         for s in suspects:
             node = self.nodes.nodes.get(by_rank.get(s.rank // ppn, ""))
-            if node is None or self.nodes.judged_silence(node) < s.timeout_s:
-                kept.append(s)
-        return kept
+            if node is not None and self.nodes.judged_silence(node) > quiet:
+                return []
+        return suspects
 
     def _generation_nodes(self) -> set[str]:
         launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}

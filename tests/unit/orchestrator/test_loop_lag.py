@@ -197,3 +197,42 @@ def test_ranks_of_a_silent_node_are_left_to_the_node_loss_check(tmp_path: Path) 
     outcome = intake.judge_batch(1, [])  # ... for 11 s while beating: a hang
     assert outcome is not None and outcome.cause is Cause.HANG
     assert outcome.detail["rank"] in (2, 3) and outcome.detail["node_id"] == "n1"
+
+
+def test_no_peer_is_named_while_the_stopped_ranks_node_is_late_to_beat(tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP) and its agent's beats are late on a loaded host; rank 0
+    waits for it in a collective, its node beating on. Nothing is named while rank 1's node
+    is quiet (a CI run named rank 0, the blocked peer); once that node beats, rank 1 is."""
+    cfg = Config.model_validate({"job": {"name": "t"},
+                                 "cluster": {"nodes": 2, "procs_per_node": 1},
+                                 "timeouts": {"training_floor_s": 2.0, "node_lost_s": 60.0,
+                                              "heartbeat_interval_s": 1.0}})
+    clock = FakeClock()
+    ctx = make_context(tmp_path, cfg, clock, FakeLog())
+    nodes = NodeRegistry(clock, ctx.record, lag=LoopLag(clock))
+    intake = Intake(ctx, nodes, StabilityHook(ctx), lambda *a: None)
+    for i, n in enumerate(("n0", "n1")):
+        _register(nodes, n)
+        nodes.move(nodes.nodes[n], NodeState.ACTIVE, node_rank=i)
+    ctx.recorder.view.launches.append({"generation": 1, "nodes": {"n0": 0, "n1": 1}})
+    ctx.recorder.view.state = JobState.RUNNING
+    intake.begin_generation(1, 2)
+
+    def beat(node: str, rank: int, beat_ts: float) -> None:
+        infos = [RankInfo(rank=rank, local_rank=0, step=5, phase="training", beat_ts=beat_ts,
+                          step_interval_max=0.5)]
+        nodes.heartbeat(node, 1, None, infos)
+        intake.progress.on_ranks(1, infos)
+
+    stopped_at = clock.time()
+    beat("n0", 0, clock.time())
+    beat("n1", 1, stopped_at)
+    for _ in range(4):  # rank 0 blocked at step 5, beating; n1's agent silent for 4 s
+        clock.advance(1.0)
+        beat("n0", 0, clock.time())
+    assert intake.judge_batch(1, []) is None
+    clock.advance(0.5)
+    beat("n1", 1, stopped_at)  # the agent's late beat: rank 1 has not beaten since its stop
+    outcome = intake.judge_batch(1, [])
+    assert outcome is not None and outcome.cause is Cause.HANG
+    assert outcome.detail["rank"] == 1 and outcome.detail["node_id"] == "n1"
