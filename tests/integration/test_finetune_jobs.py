@@ -78,7 +78,9 @@ def test_lora_checkpoint_holds_adapters_only(clean_lora: Path) -> None:
 
 def test_lora_kill_resumes_bit_exactly(tmp_path: Path, dataset_dir: Path, hf_base: Path,
                                        clean_lora: Path) -> None:
-    kill = random.Random().randrange(11, 19)  # after the first checkpoint (10)
+    # After the first checkpoint (10), late enough for its async commit (digest, signature)
+    # to land first on a loaded host: a kill at 11 in CI restarted from scratch.
+    kill = random.Random().randrange(15, 19)
     print(f"chaos kill at step {kill}")
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer=_trainer(hf_base, LORA),
                        chaos={"kill": [{"step": kill}], "seed": kill})
@@ -187,7 +189,9 @@ def test_qlora_on_fsdp2_shards_the_nf4_base_and_checkpoints_adapters(clean_qlora
 
 def test_qlora_on_fsdp2_kill_resumes_bit_exactly(tmp_path: Path, dataset_dir: Path,
                                                  hf_base: Path, clean_qlora: Path) -> None:
-    kill = random.Random().randrange(11, 19)  # after the first checkpoint (10)
+    # After the first checkpoint (10), late enough for its async commit (digest, signature)
+    # to land first on a loaded host: a kill at 11 in CI restarted from scratch.
+    kill = random.Random().randrange(15, 19)
     print(f"chaos kill at step {kill}")
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer=_trainer(hf_base, QLORA),
                        chaos={"kill": [{"step": kill}], "seed": kill})

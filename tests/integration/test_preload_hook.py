@@ -68,7 +68,9 @@ def test_a_script_without_the_sdk_beats_with_its_optimizer_steps(tmp_path: Path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "timeout 123.0" in out.stdout  # the supervisor's, not gloo's 30 minutes
     beat = hub.beats[0]
-    assert beat.step == 7 and beat.phase == "training" and beat.progress == "hook"
+    # The last beat is the one sent as the script ended: past its last step, finishing.
+    assert beat.step == 7 and beat.phase == "finishing" and beat.finished
+    assert beat.progress == "hook"
     assert beat.generation == 2
     assert [r["step"] for r in hub.records] == list(range(1, 8))
     assert len(pids) == 1  # the child never beat

@@ -54,7 +54,7 @@ def test_token_never_reaches_a_log(clean_run: Path) -> None:
 def test_two_random_kills_resume_bit_exactly(tmp_path: Path, dataset_dir: Path,
                                              clean_run: Path) -> None:
     rng = random.Random()
-    first = rng.randrange(11, 19)  # after the first checkpoint (10), so a resume follows
+    first = rng.randrange(15, 19)  # after the first checkpoint (10) committed: a resume follows
     second = rng.randrange(24, 36)
     print(f"chaos kills at steps {first} and {second}")
     cfg = write_config(tmp_path / "job.yaml", dataset_dir,
