@@ -35,6 +35,13 @@ class DistContext:
     # A gloo group of its own for the training loop's control decisions (the operator's
     # stop): never shared with the async-save thread's collectives on ckpt_group.
     control_group: dist.ProcessGroup | None = None
+    # Wall-clock ends of start-up's parts (the ``startup`` event: where a restart's seconds
+    # go); None: nobody asked.
+    marks: dict[str, float] | None = None
+
+    def mark(self, name: str) -> None:
+        if self.marks is not None:
+            self.marks[name] = time.time()
 
     @property
     def is_main(self) -> bool:
@@ -130,8 +137,9 @@ def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
         # they never queue behind (or interleave with) the training step's collectives.
         ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
         control_group = dist.new_group(backend="gloo", timeout=timeout)
-        return DistContext(rank, local_rank, world, device, backend, ckpt_group, control_group)
-    return DistContext(rank, local_rank, world, device, backend, ckpt_group)
+        return DistContext(rank, local_rank, world, device, backend, ckpt_group, control_group,
+                           marks)
+    return DistContext(rank, local_rank, world, device, backend, ckpt_group, marks=marks)
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,11 @@ class Worker:
             self._install_stack_dump()
             self._install_checkpoint_request()
             chaos_.arm_worker(self, self.ctx.chaos, self.ctx.rank)
+            # The first beat now, not an interval later: the agent knows the rank at once,
+            # and the channel is opened before the script opens its GPU, so its descriptor
+            # closes before the GPU's when the process dies (the agent learns of a death
+            # from the channel closing, ~0.7 s before the kernel has released the GPU).
+            self._beat()
             self._thread = threading.Thread(target=self._beat_loop, name="orch-heartbeat",
                                             daemon=True)
             self._thread.start()
