@@ -72,13 +72,24 @@ def signal_name(returncode: int) -> str | None:
         return f"SIG{-returncode}"
 
 
+# task->flags bit set by do_exit's first steps (exit_signals), before the address space and
+# the files (a GPU's device files among them) are released.
+_PF_EXITING = 0x4
+
+
+# How often the agent looks whether a rank is dying (8 reads of a /proc file per node).
+_DYING_POLL_S = 0.1
+
+
 def dying_status(pid: int) -> int | None:
     """The exit status of ``pid`` if it is exiting but not yet reaped, as
     ``Popen.returncode`` has it (negative: the signal), else None (alive, gone, or not ours).
 
-    Read from ``/proc/<pid>/stat``: a process past ``exit_mm`` has no address space (its
-    ``vsize``, field 23, is 0) and its ``exit_code`` (field 52, Linux >= 3.5, readable by
-    its parent) holds the wait status ``do_exit`` was given.
+    Read from ``/proc/<pid>/stat``: ``do_exit`` sets ``PF_EXITING`` in the task's flags
+    (field 9) and the wait status in ``exit_code`` (field 52, Linux >= 3.5, readable by the
+    parent) before it releases the address space and the files. A GPU process then takes
+    seconds more to go (on 2 x H200, a rank mapping 40 GB of pinned host memory was reaped
+    2.9 s after its SIGKILL, and judged hung first).
     """
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
@@ -86,10 +97,10 @@ def dying_status(pid: int) -> int | None:
         return None
     fields = raw[raw.rfind(b")") + 2:].split()  # field 3 (state) onwards
     try:
-        vsize, status = int(fields[20]), int(fields[49])
+        flags, status = int(fields[6]), int(fields[49])
     except (IndexError, ValueError):
         return None
-    if vsize != 0:
+    if not flags & _PF_EXITING:
         return None
     if status & 0x7F:
         return -(status & 0x7F)
@@ -179,6 +190,7 @@ class RankSet:
         self._watchers: list[asyncio.Task] = []
         self.stopping = False
         self.warm_started = False
+        self._dying_watch: asyncio.Task | None = None
 
     def _env(self, local_rank: int) -> dict[str, str]:
         st = self.setup
@@ -234,6 +246,7 @@ class RankSet:
                 self._watchers.append(asyncio.create_task(self._report(r)))
             else:
                 self._watchers.append(asyncio.create_task(self._watch(r)))
+        self._dying_watch = asyncio.create_task(self.watch_dying())
         return [r.info() for r in self.ranks]
 
     async def _watch(self, r: Rank) -> None:
@@ -244,18 +257,30 @@ class RankSet:
             await self._exited(r, code)
 
     def channel_closed(self, rank: int) -> None:
-        """``rank``'s channel to this agent closed: if its process is already past the point
-        of no return (its memory released, an exit status set), report the exit now instead
-        of when the kernel is done tearing it down: the release of a CUDA context takes
-        0.6-0.8 s after the socket closes (measured on an H100). A channel closed by a
-        process that still lives, or one exiting with status 0, is left to the watcher."""
-        if self.stopping:
-            return
+        """``rank``'s channel to this agent closed: look at once whether it is dying."""
         for r in self.ranks:
-            if r.rank == rank and r.alive and not r.reported and r.pid is not None:
-                code = dying_status(r.pid)
-                if code is not None and code != 0:
-                    self._watchers.append(asyncio.create_task(self._exited(r, code)))
+            if r.rank == rank:
+                self._check_dying(r)
+
+    def _check_dying(self, r: Rank) -> None:
+        """Report ``r``'s exit now if its process is past the point of no return (exiting,
+        with a non-zero status), not when the kernel is done tearing it down: the release
+        of a CUDA context takes 0.6-0.8 s on an H100, seconds with pinned host memory. A
+        process exiting with status 0 is left to the watcher (its last beat said so)."""
+        if self.stopping or not r.alive or r.reported or r.pid is None:
+            return
+        code = dying_status(r.pid)
+        if code is not None and code != 0:
+            self._watchers.append(asyncio.create_task(self._exited(r, code)))
+
+    async def watch_dying(self, interval_s: float = _DYING_POLL_S) -> None:
+        """Until every rank is reported: every ``interval_s``, whether one is dying (a
+        read of ``/proc/<pid>/stat`` per rank: a dying process says nothing, and its
+        channel closes only once its memory is released)."""
+        while not self.stopping and any(r.alive and not r.reported for r in self.ranks):
+            for r in self.ranks:
+                self._check_dying(r)
+            await asyncio.sleep(interval_s)
 
     async def _exited(self, r: Rank, code: int) -> None:
         """Report ``r``'s exit (``code`` as ``Popen.returncode``: negative for a signal)."""

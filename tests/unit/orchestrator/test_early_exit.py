@@ -107,6 +107,34 @@ def test_a_killed_rank_is_reported_at_its_channel_closing_and_stays_alive_until_
     assert reported == [("SIGKILL", True)]  # once: the reaping does not report it again
 
 
+def test_a_dying_rank_is_found_by_the_poll_without_its_channel_closing(tmp_path: Path) -> None:
+    """A GPU process with tens of GB of pinned host memory releases its memory, and only
+    then closes its channel, seconds after SIGKILL: the agent looks at /proc meanwhile."""
+    reported: list[str | None] = []
+
+    async def on_exit(r: Rank, tail: list[str]) -> None:
+        reported.append(r.signal)
+
+    async def scenario() -> bool:
+        ranks = RankSet(_assignment(), {}, tmp_path / "logs", on_exit,
+                        RankSetup(run_dir=tmp_path))
+        held = _Held(_zombie("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+        log = tmp_path / "rank.log"
+        log.write_text("")
+        r = Rank(0, 0, held, log, 0, time.time(), 3)  # type: ignore[arg-type]
+        ranks.ranks.append(r)
+        ranks._watchers.append(asyncio.create_task(ranks._watch(r)))
+        poll = asyncio.create_task(ranks.watch_dying(0.01))
+        await asyncio.wait_for(poll, 30)  # ends once every rank is reported
+        reported_before_reaping = list(reported) == ["SIGKILL"]
+        held.released.set()
+        await ranks.stop(grace=5.0)
+        return reported_before_reaping
+
+    assert asyncio.run(scenario())
+    assert reported == ["SIGKILL"]
+
+
 def test_a_channel_closed_by_a_living_or_stopping_rank_reports_nothing(tmp_path: Path) -> None:
     reported: list[Rank] = []
 
@@ -122,11 +150,13 @@ def test_a_channel_closed_by_a_living_or_stopping_rank_reports_nothing(tmp_path:
         r = Rank(0, 0, held, tmp_path / "rank.log", 0, time.time(), 3)  # type: ignore[arg-type]
         ranks.ranks.append(r)
         ranks._watchers.append(asyncio.create_task(ranks._watch(r)))
+        poll = asyncio.create_task(ranks.watch_dying(0.01))
         ranks.channel_closed(0)  # it closed its socket but lives on: not an exit
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
         seen = len(reported)
         live.kill()
         held.released.set()
+        await asyncio.wait_for(poll, 30)
         await asyncio.sleep(0.05)
         return [seen, len(reported)]
 
