@@ -94,7 +94,10 @@ class GenerationParts:
         modules; a user's own script gets fresh processes)."""
         if self.cfg.job.entrypoint or not self.cfg.job.warm_start:
             return []
-        return ["trainer.main", "trainer.build", "trainer.loop"]
+        modules = ["trainer.main", "trainer.build", "trainer.loop"]
+        if self.cfg.trainer.parallelism.compile:  # TorchDynamo and Inductor, seconds of them
+            modules.append("trainer.warm_compile")
+        return modules
 
     def entrypoint(self) -> list[str]:
         if self.cfg.job.entrypoint:
