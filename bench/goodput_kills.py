@@ -120,14 +120,13 @@ def main() -> int:
 
     def finish(name: str, run: Path, proc: subprocess.Popen, started: float) -> None:
         try:
-            out, _ = proc.communicate(timeout=max(1.0, args.timeout - (time.monotonic()
-                                                                       - started)))
+            proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
         except subprocess.TimeoutExpired:
             _kill_run(proc, run)
-            out, _ = proc.communicate()
+            proc.wait()
         wall = time.monotonic() - started
         if proc.returncode != 0:
-            print(out[-3000:])
+            print((run.parent / "up.log").read_text()[-3000:])
         results.append(report_of(name, run, wall, proc.returncode))
         print(json.dumps(results[-1]), flush=True)
 
@@ -142,9 +141,12 @@ def main() -> int:
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i]
         run.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(command(profile["config"], sets, run), env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        # Into a file, never a pipe: a pipe nobody reads while the other job is waited for
+        # fills, and the supervisor blocks writing its log (a 400 s stall, measured).
+        with open(run.parent / "up.log", "wb") as out:
+            proc = subprocess.Popen(command(profile["config"], sets, run), env=env,
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         jobs.append((name, run, proc, time.monotonic()))
         if not args.concurrent:
             finish(*jobs.pop())
