@@ -35,6 +35,8 @@ class Stats:
     """What every simulated agent adds to, read by the generator at the end."""
 
     beat_latency: list[float] = field(default_factory=list)
+    beat_sent: list[float] = field(default_factory=list)  # wall time each answered beat left
+    drop_sent: list[float] = field(default_factory=list)  # ... and each dropped one
     beats_failed: int = 0
     beats_late: int = 0  # a beat loop that woke more than one interval late
     registrations: int = 0
@@ -231,9 +233,11 @@ class SimNode:
                                                             json_body=body)
             except (OSError, TimeoutError) as exc:
                 self.stats.beats_failed += 1
+                self.stats.drop_sent.append(now)
                 self.stats.error(f"heartbeat {self.node_id}: {type(exc).__name__} {exc}")
                 continue
             self.stats.beat_latency.append(time.monotonic() - t0)
+            self.stats.beat_sent.append(now)
             if status == 404:
                 self.stats.reregistered_after_404 += 1
                 self.registered.clear()
