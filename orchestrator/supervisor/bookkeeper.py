@@ -37,6 +37,10 @@ class LineFollower:
         self._offset = 0
 
     def new_lines(self) -> list[dict[str, Any]]:
+        return [obj for line in self.new_raw() if (obj := parse_line(line)) is not None]
+
+    def new_raw(self) -> list[bytes]:
+        """The new complete lines, not yet parsed (``parse_line``)."""
         if not self.path.exists():
             return []
         with open(self.path, "rb") as f:
@@ -44,15 +48,16 @@ class LineFollower:
             data = f.read()
         end = data.rfind(b"\n") + 1
         self._offset += end
-        out = []
-        for line in data[:end].splitlines():
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue  # a garbled line is skipped, as the journal reader does
-            if isinstance(obj, dict):
-                out.append(obj)
-        return out
+        return data[:end].splitlines()
+
+
+def parse_line(line: bytes) -> dict[str, Any] | None:
+    """A line's JSON object; None for a garbled line (skipped, as the journal reader does)."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 class BookKeeper:
@@ -72,7 +77,7 @@ class BookKeeper:
         self._journal = LineFollower(run.journal)
         self._steps = LineFollower(run.steps)
         # Lines read but not yet folded (``refresh_in_chunks`` folds them a chunk at a time).
-        self._backlog: deque[tuple[str, dict[str, Any]]] = deque()
+        self._backlog: deque[tuple[str, bytes]] = deque()
         # Books as of the journal's last event, not now: the time since is a supervisor gap
         # that only the coming supervisor_started event (and the records the agents kept)
         # can book; guessing it now could push a counter past what it will be.
@@ -103,14 +108,17 @@ class BookKeeper:
         return self._snapshot(False)
 
     def _read(self) -> None:
-        self._backlog.extend(("journal", raw) for raw in self._journal.new_lines())
-        self._backlog.extend(("steps", rec) for rec in self._steps.new_lines())
+        self._backlog.extend(("journal", raw) for raw in self._journal.new_raw())
+        self._backlog.extend(("steps", raw) for raw in self._steps.new_raw())
 
     def _fold(self, count: int, on_event: Callable[[Envelope], None] | None,
               on_record: Callable[[dict[str, Any]], None] | None) -> None:
         backlog = self._backlog
         for _ in range(min(count, len(backlog))):
-            source, raw = backlog.popleft()
+            source, line = backlog.popleft()
+            raw = parse_line(line)
+            if raw is None:
+                continue
             if source == "steps":
                 self.books.add_record(raw)
                 if on_record is not None:
