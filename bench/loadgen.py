@@ -270,7 +270,8 @@ async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
     profiler: subprocess.Popen[bytes] | None = None
     # How late this generator's own loop was: beats it sent late are the network's
     # silence to the supervisor, not the supervisor's fault.
-    own_lag = LoopLag(SYSTEM_CLOCK)
+    own_late: list[tuple[float, float]] = []  # (wall, seconds) of each late wake-up
+    own_lag = LoopLag(SYSTEM_CLOCK, on_late=lambda s: own_late.append((time.time(), s)))
     lag_task = asyncio.create_task(own_lag.run())
     try:
         net_url = await sup.wait_url(60.0)
@@ -300,7 +301,7 @@ async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
         sup.kill()
         if profiler is not None:
             profiler.wait(timeout=60)
-    result.update(analyse(run, sup, stats, result, a))
+    result.update(analyse(run, sup, stats, result, a, own_late))
     result.update({"loadgen_late_s": round(own_lag.late_s, 2),
                    "loadgen_late_worst_s": round(own_lag.worst_s, 3),
                    "supervisor_late_s": None if sup.late_s is None else round(sup.late_s, 2),
@@ -327,7 +328,8 @@ def lost_nodes(envs: list[Any]) -> list[tuple[float, str, str | None]]:
 
 
 def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
-            a: argparse.Namespace) -> dict[str, Any]:
+            a: argparse.Namespace,
+            own_late: list[tuple[float, float]] | None = None) -> dict[str, Any]:
     envs = list(read_journal(run / "events.jsonl"))
     start = next((e.ts for e in envs if isinstance(e.event, ev.SupervisorStarted)), sup.started)
     regs = [e.ts for e in envs if isinstance(e.event, ev.NodeRegistered)]
@@ -390,7 +392,8 @@ def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
         "register_retries": stats.register_retries, "events_failed": stats.events_failed,
         "agent_errors": stats.errors[:10],
         "fault_results": faults,
-        **phase_report(envs, stats, sup.late, res, late_ms=a.late_ms),
+        **phase_report(envs, stats, sup.late, res, late_ms=a.late_ms,
+                       own_late=own_late or []),
     }
 
 

@@ -58,7 +58,15 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def phase_report(envs: list[Any], stats: Any, late_samples: list[tuple[float, float]],
-                 res: dict[str, Any], late_ms: float = 100.0) -> dict[str, Any]:
+                 res: dict[str, Any], late_ms: float = 100.0,
+                 own_late: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """``own_late``: when this generator's own loop woke late, and by how much (a beat in
+    flight then was answered late as measured here, whatever the supervisor did)."""
+    own = own_late or []
+
+    def own_between(t0: float, t1: float) -> float:
+        return round(sum(s for t, s in own if t0 <= t < t1), 2)
+
     phases = _phases(envs, res)
     if not phases:
         return {}
@@ -92,13 +100,15 @@ def phase_report(envs: list[Any], stats: Any, late_samples: list[tuple[float, fl
                      "max_ms": None if not lat else round(1000 * max(lat), 1),
                      "drops": drops[i],
                      "supervisor_late_s": None if a is None or b is None
-                     else round(b - a, 2)})
+                     else round(b - a, 2),
+                     "loadgen_late_s": own_between(t, t_end)})
     worst = []
     for sec, n in seconds.most_common(10):
         at = t0 + sec
         i = max(0, bisect.bisect_right(starts, at) - 1)
         a, b = _late_at(late_samples, at), _late_at(late_samples, at + 1.5)
         worst.append({"second": sec, "late_beats": n, "phase": phases[i][1],
-                      "supervisor_late_s": None if a is None or b is None else round(b - a, 2)})
+                      "supervisor_late_s": None if a is None or b is None else round(b - a, 2),
+                      "loadgen_late_s": own_between(at, at + 1.5)})
     return {"late_ms": late_ms, "heartbeats_over_late_ms": total_late,
             "phases": rows, "worst_seconds": worst}
