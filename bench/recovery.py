@@ -33,6 +33,7 @@ records every override, so a flag such as the memory tier's is one more override
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -117,7 +118,23 @@ def breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, 
         "total_s": startup["first_step_done"] - kill,
         "resumed_from_step": resumed.get("step"),
     })
+    # Where build + restore went (the trainer's marks, in order), and when the agent saw
+    # the rank exit (its channel closing: the kernel's teardown of the process comes later).
+    marks = ["imports_done", "device_ready", "default_group_ready", "dist_ready", "built_loader", "built_checkpointer", "chose_checkpoint",
+             "built_model", "built_optimizer", "loaded_state", "built"]
+    seen = [m for m in marks if isinstance(startup.get(m), int | float)]
+    out["build_parts_s"] = {b: round(startup[b] - startup[a], 3) for a, b in itertools.pairwise(seen)}
+    exits = [x for e in events if e["ts"] >= kill and e["kind"] in ("rank_exited", "ranks_exited")
+             for x in (e.get("exits") or [e]) if isinstance(x.get("exit_ts"), int | float)]
+    if exits:
+        out["agent_saw_exit_s"] = min(x["exit_ts"] for x in exits) - kill
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def calibrations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training timeout as the supervisor calibrated it, over the run."""
+    return [{k: e.get(k) for k in ("ts", "max_interval_s", "training_timeout_s", "intervals")}
+            for e in events if e["kind"] == "calibration"]
 
 
 def save_stalls(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -205,6 +222,7 @@ def with_faults(config: str | None, sets: list[str], kill: int, stop: int,
     events = _events(run)
     return {"wall_s": round(wall, 1), "median_step_s": median_step(run),
             "recoveries": [breakdown(events, c) for c in events if c["kind"] == "chaos"],
+            "calibrations": calibrations(events),
             "saves": save_stalls(events), "run_dir": str(run)}
 
 
@@ -264,7 +282,8 @@ def main() -> int:
               "config": config or "configs/local.yaml", "overrides": sets,
               "kill_step": kill, "stop_step": stop,
               "median_step_s": faults["median_step_s"],
-              "recoveries": faults["recoveries"], "saves": faults["saves"],
+              "recoveries": faults["recoveries"], "calibrations": faults["calibrations"],
+              "saves": faults["saves"],
               "fault_free": free, "faults_wall_s": faults["wall_s"],
               "targets": targets(free, faults) if free else None,
               "wall_s": round(time.monotonic() - t0, 1)}

@@ -160,7 +160,8 @@ def load_from_memory(memory: Any, plan: Any, state: dict[str, Any], dctx: DistCo
 
 
 def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
-                worker: Worker, log: Callable[[str], None]) -> Parts:
+                worker: Worker, log: Callable[[str], None],
+                marks: dict[str, float] | None = None) -> Parts:
     """Every part of the run, with the newest checkpoint (or the HF weights) loaded.
 
     The checkpoint is chosen before the model is built: with none, Hugging Face weights go
@@ -171,6 +172,9 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     from trainer.presets import resolve_model_args
 
     cfg = settings.trainer
+    # Wall-clock marks of each part's end (the startup event: where a restart's seconds go).
+    mark = (lambda name: marks.__setitem__(name, time.time())) if marks is not None \
+        else (lambda name: None)
     apply_endpoint(settings)
     backend = backend_for(cfg.parallelism.strategy)
     backend.setup(settings, dctx)
@@ -180,8 +184,10 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     if vocab > resolve_model_args(cfg.model).vocab_size:
         raise ValueError(f"the dataset's tokenizer has {vocab} ids, more than the model's "
                          f"vocab_size {resolve_model_args(cfg.model).vocab_size}")
+    mark("built_loader")
     checkpointer = build_checkpointer(settings, dctx, worker, log, backend)
     memory = build_memory_tier(settings, dctx, ctx, checkpointer, backend, log)
+    mark("built_checkpointer")
     with worker.phase("loading"):
         t0 = time.perf_counter()
         plan = None if memory is None else \
@@ -189,9 +195,11 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         choice = None if plan is not None and plan.use else \
             checkpointer.choose(max_step=ctx.resume_max_step)
         load_s = time.perf_counter() - t0
+    mark("chose_checkpoint")
     # Fine-tuning: the backend loads the frozen base (model.init_from_hf) while it builds.
     with worker.phase("loading") if cfg.finetune is not None else contextlib.nullcontext():
         model = backend.build_model(settings, dctx)
+    mark("built_model")
     if cfg.finetune is not None:
         from trainer.finetune import summary
 
@@ -208,6 +216,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     stepper = backend.build_stepper(model, optimizer, scheduler, settings, dctx)
     progress = Progress()
     state = backend.checkpoint_state(stepper, scheduler, progress, loader, dctx.rank)
+    mark("built_optimizer")
     guard = None
     if "skip_step" in settings.stability.rule_actions().values():
         from stability import SkipStepGuard
@@ -229,6 +238,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         else:
             manifest = checkpointer.load(state, choice)
         load_s += time.perf_counter() - t0
+    mark("loaded_state")
     if memory is not None:
         memory.invalidate_after(progress.step)  # newer copies: an abandoned future
         if progress.step > 0:  # restored: the optimizer has its state (see the method)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,13 @@ class DistContext:
     # A gloo group of its own for the training loop's control decisions (the operator's
     # stop): never shared with the async-save thread's collectives on ckpt_group.
     control_group: dist.ProcessGroup | None = None
+    # Wall-clock ends of start-up's parts (the ``startup`` event: where a restart's seconds
+    # go); None: nobody asked.
+    marks: dict[str, float] | None = None
+
+    def mark(self, name: str) -> None:
+        if self.marks is not None:
+            self.marks[name] = time.time()
 
     @property
     def is_main(self) -> bool:
@@ -98,7 +106,12 @@ def collective_timeout_s() -> float:
         or DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
-def init_distributed(cfg: TrainerConfig) -> DistContext:
+def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
+                     ) -> DistContext:
+    """The process groups (``marks``: wall-clock ends of the device pick and the default
+    group, for the startup event)."""
+    mark = (lambda name: marks.__setitem__(name, time.time())) if marks is not None \
+        else (lambda name: None)
     env = os.environ
     rank = ec.get_int(env, "RANK", 0, minimum=0) or 0
     local_rank = ec.get_int(env, "LOCAL_RANK", 0, minimum=0) or 0
@@ -106,6 +119,7 @@ def init_distributed(cfg: TrainerConfig) -> DistContext:
     local_world = ec.get_int(env, "LOCAL_WORLD_SIZE", 1, minimum=1) or 1
     configure_process(cfg, local_world)
     device = pick_device(cfg, local_rank)
+    mark("device_ready")
     backend = cfg.parallelism.backend
     if backend == "auto":
         backend = AUTO_BACKEND.get(device.type, "gloo")
@@ -118,12 +132,14 @@ def init_distributed(cfg: TrainerConfig) -> DistContext:
         pg_backend = process_group_spec(backend)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=pg_backend, timeout=timeout, **kwargs)
+        mark("default_group_ready")
         # Checkpoint collectives run on their own gloo group, in the async-save thread, so
         # they never queue behind (or interleave with) the training step's collectives.
         ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
         control_group = dist.new_group(backend="gloo", timeout=timeout)
-        return DistContext(rank, local_rank, world, device, backend, ckpt_group, control_group)
-    return DistContext(rank, local_rank, world, device, backend, ckpt_group)
+        return DistContext(rank, local_rank, world, device, backend, ckpt_group, control_group,
+                           marks)
+    return DistContext(rank, local_rank, world, device, backend, ckpt_group, marks=marks)
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:

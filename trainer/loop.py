@@ -122,10 +122,15 @@ def _train(p: Parts) -> None:
             p.checkpointer.prepare_staging(p.checkpoint_state)
             if p.memory is not None:
                 # And the memory tier's slots faulted in and page-locked, in the background,
-                # now, while the hang floor is still the uncalibrated one: page-locking
-                # gigabytes holds the CUDA driver for seconds, and at the first memory save
-                # (a fresh run's step 50) it stalled a step past a calibrated 3.7 s timeout.
+                # now: page-locking gigabytes holds the CUDA driver for seconds, and at the
+                # first memory save (a fresh run's step 50) it stalled a step past a
+                # calibrated 3.7 s timeout.
                 p.memory.prepare_saves(p.checkpoint_state)
+            # Page-locking holds the CUDA driver: steps run slow until it is done. The SDK
+            # keeps them out of the calibrated training timeout (a restarted generation's
+            # floor is already the low one) and reports the ``loading`` phase meanwhile.
+            p.worker.disturbed_while(lambda ck=p.checkpointer, mem=p.memory: ck.preparing() or (
+                mem is not None and mem.preparing()))
         first = False
         step = p.progress.step
         stop = _stop_requested(p)

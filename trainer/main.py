@@ -70,12 +70,12 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_settings(args.config or ctx.config_path, job=ctx.job if ctx.managed else None,
                              checkpoint_root=ctx.checkpoint_root)
-    dctx = init_distributed(settings.trainer)
+    dctx = init_distributed(settings.trainer, marks=startup)
     startup["dist_ready"] = time.time()
     parts = None
     trained = False
     try:
-        parts = build_parts(settings, dctx, ctx, worker, log)
+        parts = build_parts(settings, dctx, ctx, worker, log, marks=startup)
         startup["built"] = time.time()  # model, optimizer, data, and the checkpoint restore
         parts.startup = startup
         train(parts)  # returns in the ``finishing`` phase

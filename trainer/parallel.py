@@ -67,16 +67,19 @@ def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int,
+                mark: Callable[[str], None] = lambda name: None) -> None:
     """Allocate a meta-device model's storage on ``device`` and initialise it from ``seed``.
 
     Every rank seeds identically, so replicated (DDP) weights agree and sharded (FSDP2)
     weights are the shards of one model.
     """
     model.to_empty(device=device)
+    mark("model_allocated")
     torch.manual_seed(seed)
     with torch.no_grad():
         unwrap(model).init_weights()
+    mark("model_initialized")
 
 
 def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
@@ -101,6 +104,7 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile:
         apply_compile(model, dctx.device.type)
+    dctx.mark("model_wrapped")
     offload = fsdp and par.offload == "params"
     # CPU offload: the shards live in host memory; the RoPE tables (buffers, not sharded)
     # stay on the compute device.
@@ -112,7 +116,8 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
     else:
         if fsdp:
             apply_fsdp(model, par, prec, dctx.world_size)
-        materialize(model, device, seed)
+        dctx.mark("model_sharded")
+        materialize(model, device, seed, dctx.mark)
     if offload:
         unwrap(model).rope_cos = unwrap(model).rope_cos.to(dctx.device)
         unwrap(model).rope_sin = unwrap(model).rope_sin.to(dctx.device)

@@ -57,7 +57,7 @@ class Agent:
         self.orphan_timeout_s = orphan_timeout_s
         self.client = SupervisorClient(head_url, token, node_id=node_id)
         self.log = get_logger("orchestrator.agent").bind(node=node_id)
-        self.hub = LocalHub(on_event=self._on_worker_event)
+        self.hub = LocalHub(on_event=self._on_worker_event, on_closed=self._on_channel_closed)
         self.sock = LocalSocketServer(self.hub)
         self.ranks: RankSet | None = None
         self.warm = WarmPool()
@@ -376,6 +376,10 @@ class Agent:
                              rank=r.rank, pid=r.pid, exit_code=r.exit_code,
                              signal=r.signal, ts=time.time(), log_tail=tail,
                              error=r.error[:4096] if r.error else None))
+
+    def _on_channel_closed(self, rank: int) -> None:
+        if self.ranks is not None:
+            self.ranks.channel_closed(rank)
 
     def _on_worker_event(self, msg: dict[str, Any]) -> None:
         gen = self.ranks.generation if self.ranks is not None else 0

@@ -58,6 +58,8 @@ class LocalHub:
     """Latest beat per rank, records pending relay, and a callback for events."""
 
     on_event: Callable[[dict[str, Any]], None]
+    # A rank's channel closed (its process may be dying): the agent may learn its exit now.
+    on_closed: Callable[[int], None] = lambda rank: None
     beats: dict[int, BeatState] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     records_generation: int | None = None
@@ -156,9 +158,12 @@ class LocalSocketServer:
         except (ConnectionError, asyncio.LimitOverrunError, ValueError) as exc:
             self.log.warning("worker socket error", error=str(exc))
         finally:
-            for rank in [r for r, w in self.hub.writers.items() if w == writer.write]:
+            closed = [r for r, w in self.hub.writers.items() if w == writer.write]
+            for rank in closed:
                 del self.hub.writers[rank]  # its next connection takes its orders
             writer.close()
+            for rank in closed:
+                self.hub.on_closed(rank)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -72,6 +72,30 @@ def signal_name(returncode: int) -> str | None:
         return f"SIG{-returncode}"
 
 
+def dying_status(pid: int) -> int | None:
+    """The exit status of ``pid`` if it is exiting but not yet reaped, as
+    ``Popen.returncode`` has it (negative: the signal), else None (alive, gone, or not ours).
+
+    Read from ``/proc/<pid>/stat``: a process past ``exit_mm`` has no address space (its
+    ``vsize``, field 23, is 0) and its ``exit_code`` (field 52, Linux >= 3.5, readable by
+    its parent) holds the wait status ``do_exit`` was given.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()  # field 3 (state) onwards
+    try:
+        vsize, status = int(fields[20]), int(fields[49])
+    except (IndexError, ValueError):
+        return None
+    if vsize != 0:
+        return None
+    if status & 0x7F:
+        return -(status & 0x7F)
+    return (status >> 8) & 0xFF
+
+
 def tail_lines(path: Path, start_offset: int, n: int = _LOG_TAIL_LINES) -> list[str]:
     """The last ``n`` lines written to ``path`` since ``start_offset`` (this generation)."""
     try:
@@ -119,6 +143,8 @@ class Rank:
     error_path: Path | None = None
     error: str | None = None  # the rank's own cause (error file, or the spawn's OS error)
     tail: list[str] = field(default_factory=list)
+    reaped: bool = False  # its process was waited for (or never started)
+    reported: bool = False  # its exit went to the agent (perhaps before it was reaped)
 
     @property
     def pid(self) -> int | None:
@@ -126,7 +152,9 @@ class Rank:
 
     @property
     def alive(self) -> bool:
-        return self.exit_code is None and self.signal is None
+        """Its process is not reaped yet: a rank whose exit was reported early, while the
+        kernel still tears its process down (and frees its GPU), is alive until then."""
+        return self.process is not None and not self.reaped
 
     def info(self) -> RankInfo:
         return RankInfo(rank=self.rank, local_rank=self.local_rank, pid=self.pid,
@@ -211,6 +239,27 @@ class RankSet:
     async def _watch(self, r: Rank) -> None:
         assert r.process is not None
         code = await r.process.wait()
+        r.reaped = True
+        if not r.reported:
+            await self._exited(r, code)
+
+    def channel_closed(self, rank: int) -> None:
+        """``rank``'s channel to this agent closed: if its process is already past the point
+        of no return (its memory released, an exit status set), report the exit now instead
+        of when the kernel is done tearing it down: the release of a CUDA context takes
+        0.6-0.8 s after the socket closes (measured on an H100). A channel closed by a
+        process that still lives, or one exiting with status 0, is left to the watcher."""
+        if self.stopping:
+            return
+        for r in self.ranks:
+            if r.rank == rank and r.alive and not r.reported and r.pid is not None:
+                code = dying_status(r.pid)
+                if code is not None and code != 0:
+                    self._watchers.append(asyncio.create_task(self._exited(r, code)))
+
+    async def _exited(self, r: Rank, code: int) -> None:
+        """Report ``r``'s exit (``code`` as ``Popen.returncode``: negative for a signal)."""
+        r.reported = True
         if code < 0:
             r.signal = signal_name(code)
         r.exit_code = code if code >= 0 else None
@@ -226,6 +275,7 @@ class RankSet:
 
     async def _report(self, r: Rank) -> None:
         """A rank that never started: report it like an exit, at once."""
+        r.reaped = r.reported = True
         r.tail = [r.error or ""]
         await self._on_exit(r, r.tail)
 

@@ -233,6 +233,12 @@ class TimeoutsConfig(Section):
     )
     calibration_steps: int = Field(
         20, ge=1, description="Step intervals measured before the floor comes down.")
+    calibration_horizon_steps: int = Field(
+        500, ge=1, le=10_000_000, description="The calibrated training timeout follows the "
+        "largest step interval of the job's last this many steps: one slow step (a "
+        "restart's warm-up) raises it for that long, not for good. Keep it above the period "
+        "of a job's regular slow steps (synchronous logging every N steps) with a low "
+        "training_floor_calibrated_s.")
     stack_dump_wait_s: float = Field(
         3.0, ge=0, description="On a hang, wait this long for every rank's stack dump."
     )

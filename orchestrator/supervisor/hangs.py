@@ -7,7 +7,7 @@ the case to catch.
 
 The training timeout calibrates itself::
 
-    timeout = max(floor, training_multiplier * largest step interval seen)
+    timeout = max(floor, training_multiplier * largest recent step interval)
 
 where the floor starts at ``training_floor_s`` (high: the first steps of a job say little of
 its pace) and, with ``training_floor_calibrated_s`` set, comes down to that value once
@@ -15,9 +15,12 @@ its pace) and, with ``training_floor_calibrated_s`` set, comes down to that valu
 ones', carried in the journal): a 0.2 s step then has its hang found in about a second, not
 in the fixed floor's 30 (issue 14's target: within 3 x the step interval + 2 s).
 
-where the largest interval is the maximum of each rank's largest interval over its last 50
-steps (reported in its beats) and of the value carried over from earlier generations through
-the journal's ``calibration`` events. Until any interval is known (the first steps of a job),
+where the largest recent interval is the maximum, over the job's last
+``calibration_horizon_steps`` step intervals, of each rank's largest interval over its last 50
+steps (reported in its beats), the value carried over from earlier generations through the
+journal's ``calibration`` events counting as measured when this supervisor started. Steps a
+rank's SDK was told are disturbed by work beside them (buffers page-locked in the
+background) are not measured, and run in the ``loading`` phase. Until any interval is known (the first steps of a job),
 the ``init`` phase's timeout applies. A checkpoint's blocking part runs in the
 ``checkpointing`` phase with its own timeout, and a slow first step runs in ``init`` (the SDK
 switches a rank to ``training`` at its first ``step_done``), so neither trips the training
@@ -26,6 +29,7 @@ timeout. The fixed ``timeouts.phases.training`` overrides calibration when set.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from orchestrator.config.schema import TimeoutsConfig
@@ -34,6 +38,9 @@ from orchestrator.supervisor.progress import GenerationProgress, RankProgress
 # A new calibration is journaled only when the timeout moves by more than this fraction,
 # so a job's journal gets a handful of these, not one per heartbeat.
 _JOURNAL_CHANGE = 0.2
+# Largest-interval changes remembered within the horizon (a change comes at most once per
+# beat of the rank holding the largest; the oldest beyond this are dropped).
+_MAX_HISTORY = 4096
 
 
 @dataclass(frozen=True)
@@ -58,28 +65,52 @@ class Suspect:
 
 
 class TrainingTimeout:
-    """The calibrated training timeout, carried across generations (the largest interval
-    and how many intervals were measured)."""
+    """The calibrated training timeout, carried across generations.
+
+    Its interval is the largest the ranks reported over the last ``calibration_horizon_steps``
+    step intervals of the job, not the largest ever: a slow step (a restart's warm-up, a
+    background allocation the SDK was not told of) raises the timeout for that long, then
+    drops out. Before forgetting was added, one 4 s step after a restart kept a 0.2 s-step
+    job's timeout at 12 s for good, and a SIGSTOPped rank was found in 12.5 s instead of
+    2.7 (issue 14, 2 x H200). The value carried from earlier generations (the journal's
+    last ``calibration``) counts as measured at the start of this supervisor's run.
+    """
 
     def __init__(self, cfg: TimeoutsConfig, carried_max_interval: float | None,
                  carried_intervals: int = 0) -> None:
         self.cfg = cfg
-        self.max_interval = carried_max_interval
         self._carried = max(0, carried_intervals)
         self._by_generation: dict[int, int] = {}
+        # (intervals measured when it was reported, the ranks' largest interval then),
+        # oldest first; entries past the horizon are dropped as new ones come.
+        self._history: collections.deque[tuple[int, float]] = collections.deque()
+        if carried_max_interval:
+            self._history.append((self._carried, carried_max_interval))
         self._journaled: float | None = self.value() if carried_max_interval else None
 
-    def observe(self, interval_max: float | None) -> None:
-        if interval_max is not None and interval_max > 0:
-            self.max_interval = max(self.max_interval or 0.0, interval_max)
+    @property
+    def max_interval(self) -> float | None:
+        """The largest step interval reported within the horizon (None: none yet)."""
+        # An entry holds until the next one: it is past the horizon once the next one is.
+        horizon = self.intervals - self.cfg.calibration_horizon_steps
+        while len(self._history) > 1 and self._history[1][0] <= horizon:
+            self._history.popleft()
+        return max((v for _, v in self._history), default=None)
 
-    def observe_steps(self, gen: GenerationProgress) -> None:
-        """Count the step intervals ``gen`` has measured (rank 0's first to last step)."""
+    def observe(self, gen: GenerationProgress) -> None:
+        """What ``gen``'s ranks report now: its intervals measured and the largest of them."""
         first, last = gen.first_step, gen.last_step
         if first is not None and last is not None and 0 <= first <= last:
             count = last - first
             if count > self._by_generation.get(gen.generation, 0):
                 self._by_generation[gen.generation] = count
+        interval = gen.interval_max
+        if interval is not None and interval > 0 and \
+                (not self._history or self._history[-1][1] != interval):
+            self._history.append((self.intervals, interval))
+            # Bounded however many changes come between two horizons' worth of steps.
+            while len(self._history) > _MAX_HISTORY:
+                self._history.popleft()
 
     @property
     def intervals(self) -> int:
@@ -95,9 +126,10 @@ class TrainingTimeout:
     def value(self) -> float:
         if self.cfg.phases.training is not None:
             return self.cfg.phases.training
-        if self.max_interval is None:
+        interval = self.max_interval
+        if interval is None:
             return self.cfg.phases.init
-        return max(self.floor(), self.cfg.training_multiplier * self.max_interval)
+        return max(self.floor(), self.cfg.training_multiplier * interval)
 
     def needs_journal(self) -> bool:
         """True once the value moved enough since it was last journaled."""
@@ -123,8 +155,7 @@ def any_overdue(gen: GenerationProgress, cfg: TimeoutsConfig, training: Training
     phase (O(phases), not O(ranks)): ``find_hangs`` then names and orders the suspects (and
     applies the longer limit of a finishing rank). Ranks judged by liveness alone (a script
     without the SDK before its first step) send the check to ``find_hangs`` every time."""
-    training.observe(gen.interval_max)
-    training.observe_steps(gen)
+    training.observe(gen)
     if gen.unstepped_hooks:
         return True
     for phase, idle in gen.idle.items():
@@ -143,9 +174,7 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
     longest.
     """
     hung = []
-    training.observe_steps(gen)
-    for rp in gen.ranks.values():
-        training.observe(rp.step_interval_max)
+    training.observe(gen)
     for rp in gen.ranks.values():
         suspect = _check(rp, cfg, training, now)
         if suspect is not None:

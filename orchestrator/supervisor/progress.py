@@ -7,7 +7,8 @@ stays small while ``status`` and the books still see where training stood.
 
 Each generation keeps its ranks' last progress oldest-first per phase
 (``GenerationProgress.idle``), so the hang check looks at one rank per phase instead of all
-of them, and the largest step interval any rank reported (``interval_max``) as beats arrive.
+of them, and each rank's latest largest-recent-step-interval in a heap, so the largest
+(``interval_max``) is read without a scan.
 """
 
 from __future__ import annotations
@@ -49,10 +50,25 @@ class GenerationProgress:
     ranks: dict[int, RankProgress] = field(default_factory=dict)
     # phase -> ranks in that phase by the time they last made progress
     idle: dict[str | None, OldestFirst[int]] = field(default_factory=dict)
-    interval_max: float | None = None  # largest step interval any rank reported
+    # Each rank's latest report of its largest recent step interval (the SDK's window of
+    # its last steps), kept so the largest is read without a scan (negated: oldest = max).
+    intervals: OldestFirst[int] = field(default_factory=OldestFirst)
     # Ranks of a script without the SDK before its first step: judged by liveness, not by
     # a phase's timeout, so the oldest-first pre-check cannot speak for them.
     unstepped_hooks: set[int] = field(default_factory=set)
+
+    @property
+    def interval_max(self) -> float | None:
+        """The largest step interval the ranks report now (their windows of recent steps:
+        a slow step drops out of it once its rank has stepped past it)."""
+        top = self.intervals.oldest()
+        return -top[1] if top is not None else None
+
+    def report_interval(self, rank: int, interval: float | None) -> None:
+        if interval is None or interval <= 0:
+            self.intervals.discard(rank)
+        else:
+            self.intervals.set(rank, -interval)
 
     def progressed(self, rp: RankProgress, phase: str | None, at: float) -> None:
         """``rp`` made progress at ``at`` (now in ``phase``): move it in ``idle``."""
@@ -106,9 +122,9 @@ class ProgressTracker:
                 gen.progressed(rp, info.phase, now)
             rp.step = info.step
             rp.last_step_ts = info.last_step_ts
-            rp.step_interval_max = interval = info.step_interval_max
-            if interval is not None and interval > (gen.interval_max or 0.0):
-                gen.interval_max = interval
+            if info.step_interval_max != rp.step_interval_max:
+                rp.step_interval_max = info.step_interval_max
+                gen.report_interval(info.rank, info.step_interval_max)
             rp.progress = info.progress
             rp.finished = info.finished
             if info.progress == "hook" and info.step is None:

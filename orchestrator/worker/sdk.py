@@ -106,6 +106,10 @@ class Worker:
         self._phase = "init"
         self._last_step_ts: float | None = None
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVAL_WINDOW)
+        # Work beside training that slows its steps until it is done (``disturbed_while``).
+        self._disturbances: list[Callable[[], bool]] = []
+        self._disturbed_step = False  # the last step was disturbed: the next interval too
+        self._settling = False  # in ``loading`` because of a disturbance, not set_phase
         # The straggler detector's inputs: each step's own time and data wait (see _beat).
         self._step_times: collections.deque[float] = collections.deque(maxlen=_SUMMARY_STEPS)
         self._data_waits: collections.deque[float] = collections.deque(maxlen=_SUMMARY_STEPS)
@@ -134,6 +138,11 @@ class Worker:
             self._install_stack_dump()
             self._install_checkpoint_request()
             chaos_.arm_worker(self, self.ctx.chaos, self.ctx.rank)
+            # The first beat now, not an interval later: the agent knows the rank at once,
+            # and the channel is opened before the script opens its GPU, so its descriptor
+            # closes before the GPU's when the process dies (the agent learns of a death
+            # from the channel closing, ~0.7 s before the kernel has released the GPU).
+            self._beat()
             self._thread = threading.Thread(target=self._beat_loop, name="orch-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -198,11 +207,14 @@ class Worker:
         now = self._clock()
         with self._lock:
             interval = None
+            disturbed = self._disturbed()
             if self._last_step_ts is not None:
                 # Time in other phases (a blocking checkpoint save) has timeouts of its own
                 # and would inflate the calibrated training timeout: it is not step time.
                 interval = max(0.0, now - self._last_step_ts - self._other_s)
-                self._intervals.append(interval)
+                if not disturbed and not self._disturbed_step:
+                    self._intervals.append(interval)
+            self._disturbed_step = disturbed
             self._step, self._last_step_ts = step, now
             self._other_s = 0.0
             # The step's own time where the script reports it (our trainer: batch to update,
@@ -213,8 +225,9 @@ class Worker:
             data_s = _number(metrics.get("data_s"))
             if data_s is not None:
                 self._data_waits.append(data_s)
-            if self._phase != "training":
-                self._phase = "training"
+            phase = "loading" if disturbed else "training"
+            if self._phase != phase:
+                self._phase, self._settling, self._phase_since = phase, disturbed, now
             if self._send_records:
                 self._records.append({"step": step, "ts": now, **_plain(metrics)})
                 if len(self._records) > _MAX_RECORDS:
@@ -240,6 +253,22 @@ class Worker:
         (how ``orchestrator.chaos`` lands a kill on an exact step)."""
         self._on_step.append(hook)
 
+    def disturbed_while(self, busy: Callable[[], bool]) -> None:
+        """Work beside training slows its steps until ``busy()`` is False (page-locking
+        gigabytes in the background holds the CUDA driver for seconds). Until then the rank
+        reports the ``loading`` phase between its steps, so that phase's timeout judges
+        them, not the calibrated training one (a few step intervals), and their intervals
+        do not calibrate it. The beat thread returns the rank to ``training`` when the work
+        is done."""
+        with self._lock:
+            self._disturbances.append(busy)
+
+    def _disturbed(self) -> bool:
+        """Whether any disturbance is still busy (the done ones are forgotten). Called
+        with ``_lock`` held."""
+        self._disturbances = [busy for busy in self._disturbances if busy()]
+        return bool(self._disturbances)
+
     def beat_now(self) -> None:
         """Send the latest record to the agent now, not at the next interval."""
         self._beat()
@@ -252,7 +281,7 @@ class Worker:
             if self._phase != "training" and self._phase_since is not None \
                     and self._last_step_ts is not None:
                 self._other_s += now - self._phase_since
-            self._phase, self._phase_since = name, now
+            self._phase, self._phase_since, self._settling = name, now, False
         self._beat()  # a phase change is news: the timeout that applies just changed
 
     @contextlib.contextmanager
@@ -281,6 +310,8 @@ class Worker:
 
     def _beat(self) -> None:
         with self._lock:
+            if self._settling and not self._disturbed():
+                self._phase, self._settling = "training", False
             msg = {"t": "beat", "rank": self.ctx.rank, "pid": os.getpid(),
                    "generation": self.ctx.generation, "step": self._step,
                    "phase": self._phase, "last_step_ts": self._last_step_ts,

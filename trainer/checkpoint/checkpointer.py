@@ -197,6 +197,10 @@ class Checkpointer:
                 and not layout.is_remote(self.store.primary.root):
             self.staging.prepare(state)
 
+    def preparing(self) -> bool:
+        """Whether staging buffers are still being allocated in the background."""
+        return self.staging is not None and self.staging.preparing
+
     def save(self, step: int, state: dict[str, Any], tokens: int) -> float:
         """Start saving ``state`` as step ``step``; returns the seconds training was blocked."""
         t0 = time.perf_counter()

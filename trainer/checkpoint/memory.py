@@ -137,6 +137,7 @@ class MemoryTier:
         self.disabled_reason: str | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
         self._pending: concurrent.futures.Future | None = None
+        self._preparation: concurrent.futures.Future | None = None  # prepare_saves's
 
     @property
     def trust(self) -> signing.Trust | None:
@@ -193,7 +194,11 @@ class MemoryTier:
             mf.flatten(part.state_dict(), tensors, _is_tensor)
         nbytes = sum(mf.aligned(_local(t).numel() * _local(t).element_size())
                      for t in tensors) + 2**20  # and the object tree
-        self._pending = self._executor.submit(self._prepare_slots, nbytes)
+        self._pending = self._preparation = self._executor.submit(self._prepare_slots, nbytes)
+
+    def preparing(self) -> bool:
+        """Whether ``prepare_saves``'s background work is still running."""
+        return self._preparation is not None and not self._preparation.done()
 
     def _prepare_slots(self, nbytes: int) -> None:
         for slot in mf.SLOTS:

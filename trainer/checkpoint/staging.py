@@ -55,6 +55,11 @@ class StagingBuffers:
     def started(self) -> bool:
         return self._thread is not None
 
+    @property
+    def preparing(self) -> bool:
+        """The background allocation is still running (training steps run slower)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def prepare(self, state: dict[str, Any]) -> None:
         """Start allocating buffers shaped like ``state`` (no-op after the first call). The
         state dicts are taken here, on the training thread, between steps; the thread only

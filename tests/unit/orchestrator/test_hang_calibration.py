@@ -37,7 +37,7 @@ def _step(gen: GenerationProgress, clock: FakeClock, interval: float, interval_m
     rp = gen.ranks[0]
     rp.step = (rp.step or 0) + 1
     rp.step_interval_max = interval_max
-    gen.interval_max = max(gen.interval_max or 0.0, interval_max)
+    gen.report_interval(0, interval_max)
     gen.last_step = rp.step
     if beat:
         rp.beat_received = clock.monotonic()
@@ -61,15 +61,14 @@ def test_the_floor_starts_high_and_comes_down_after_calibration_steps() -> None:
     gen, training = _gen(clock), TrainingTimeout(FAST, None)
     for _ in range(19):
         _step(gen, clock, 0.2, 0.25)
-        training.observe_steps(gen)
-        training.observe(gen.interval_max)
+        training.observe(gen)
     assert training.intervals == 19 and training.value() == 30  # still the start-up floor
     _step(gen, clock, 0.2, 0.25)
-    training.observe_steps(gen)
+    training.observe(gen)
     assert training.intervals == 20 and training.value() == 1.0  # max(1.0, 3 x 0.25)
     # A slower pace raises it above the low floor: 3 x the largest interval.
     _step(gen, clock, 2.0, 2.0)
-    training.observe(gen.interval_max)
+    training.observe(gen)
     assert training.value() == pytest.approx(6.0)
 
 
@@ -92,6 +91,54 @@ def test_a_fast_stepping_rank_that_stops_is_found_within_3_steps_plus_2_s() -> N
     assert slow is not None and slow >= 30.0
 
 
+def test_one_slow_step_raises_the_timeout_for_the_horizon_not_for_good() -> None:
+    """2 x H200: one 4 s step after a restart kept a 0.23 s-step job's timeout at 12 s for
+    the rest of the job, and a SIGSTOP was found in 12.5 s (target 2.7 s)."""
+    cfg = FAST.model_copy(update={"calibration_horizon_steps": 100})
+    clock = FakeClock()
+    gen, training = _gen(clock), TrainingTimeout(cfg, 0.23, carried_intervals=200)
+    _step(gen, clock, 4.0, 4.0)  # the slow step, in the SDK's window of the rank's steps
+    training.observe(gen)
+    assert training.value() == pytest.approx(12.0)
+    for _ in range(50):  # the SDK's window passes it; the horizon still holds it
+        _step(gen, clock, 0.2, 4.0)
+        training.observe(gen)
+    for _ in range(100):
+        _step(gen, clock, 0.2, 0.23)
+        training.observe(gen)
+    # The slow step's report held until 0.23 came; 99 intervals since: within the horizon.
+    assert training.value() == pytest.approx(12.0)
+    _step(gen, clock, 0.2, 0.23)
+    training.observe(gen)
+    assert training.value() == 1.0  # max(1.0, 3 x 0.23): the slow step is forgotten
+    found = _found_after(gen, cfg, training, clock, 60.0)
+    assert found is not None and found <= 3 * 0.23 + 2.0
+
+
+@settings(max_examples=HYPOTHESIS_CASES, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.floats(0.05, 30.0)), min_size=1,
+                max_size=30), st.integers(1, 300))
+def test_the_timeout_covers_every_interval_reported_within_the_horizon(
+        reports: list[tuple[int, float]], horizon: int) -> None:
+    """Whatever the ranks report, the timeout is 3 x the largest interval reported within
+    the last ``horizon`` steps (never less: no false hang on a pace seen that recently)."""
+    cfg = FAST.model_copy(update={"calibration_horizon_steps": horizon})
+    clock = FakeClock()
+    gen, training = _gen(clock), TrainingTimeout(cfg, None)
+    seen: list[tuple[int, float]] = []  # (intervals measured when reported, interval)
+    for steps, interval in reports:
+        for _ in range(steps):
+            _step(gen, clock, 0.1, interval)
+            training.observe(gen)
+            seen.append((training.intervals, interval))
+    now = training.intervals
+    # An interval reported at count c holds until the next report; within the horizon if
+    # the next report came after now - horizon.
+    live = [v for i, (c, v) in enumerate(seen)
+            if i + 1 == len(seen) or seen[i + 1][0] > now - horizon]
+    assert training.max_interval == pytest.approx(max(live))
+
+
 def test_calibration_is_carried_across_generations_and_old_journals_start_high() -> None:
     assert TrainingTimeout(FAST, 0.25, carried_intervals=25).value() == 1.0
     assert TrainingTimeout(FAST, 0.25, carried_intervals=5).value() == 30
@@ -108,8 +155,8 @@ def test_calibration_is_carried_across_generations_and_old_journals_start_high()
         gen = _gen(clock, first=100)
         gen.generation = generation
         gen.last_step = 108
-        training.observe_steps(gen)
-        training.observe_steps(gen)
+        training.observe(gen)
+        training.observe(gen)
     assert training.intervals == 5 + 8 + 8 and training.value() == 1.0
 
 

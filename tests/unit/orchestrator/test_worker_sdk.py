@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.worker.sdk import Worker, WorkerContext
 
@@ -28,6 +30,34 @@ def test_checkpoint_time_is_not_step_time() -> None:
     clock.t = 22.0
     w.step_done(3)
     assert list(w._intervals) == [1.0, 1.0]
+
+
+def test_steps_disturbed_by_background_work_run_in_loading_and_do_not_calibrate() -> None:
+    """Page-locking buffers beside training (a restarted generation's staging) slowed a
+    step to seconds, and that step set the calibrated hang timeout (issue 14)."""
+    clock = Clock()
+    w = Worker(env={"RANK": "0"}, clock=clock)
+    busy = [True]
+    w.step_done(1)
+    clock.t = 0.2
+    w.step_done(2)  # 0.2: measured
+    w.disturbed_while(lambda: busy[0])
+    for t in (4.2, 4.4):  # a 4 s step, then a fast one, both while the work runs
+        clock.t = t
+        w.step_done(int(t * 10))
+        assert w._phase == "loading"  # the loading timeout judges them
+    busy[0] = False
+    w._beat()  # the beat thread sees the work done: back to training
+    assert w._phase == "training"
+    clock.t = 5.0
+    w.step_done(50)  # straddles the end of the work: not measured either
+    clock.t = 5.2
+    w.step_done(52)
+    assert list(w._intervals) == pytest.approx([0.2, 0.2])
+    assert w._phase == "training"
+    with w.phase("checkpointing"):  # an explicit phase is not undone by the beat thread
+        w._beat()
+        assert w._phase == "checkpointing"
 
 
 def test_only_rank_zero_sends_step_records() -> None:
