@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from concurrent.futures import ProcessPoolExecutor
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ class Stats:
     """What every simulated agent adds to, read by the generator at the end."""
 
     beat_latency: list[float] = field(default_factory=list)
+    beat_sent: list[float] = field(default_factory=list)  # wall time each answered beat left
+    drop_sent: list[float] = field(default_factory=list)  # ... and each dropped one
     beats_failed: int = 0
     beats_late: int = 0  # a beat loop that woke more than one interval late
     registrations: int = 0
@@ -231,9 +234,11 @@ class SimNode:
                                                             json_body=body)
             except (OSError, TimeoutError) as exc:
                 self.stats.beats_failed += 1
+                self.stats.drop_sent.append(now)
                 self.stats.error(f"heartbeat {self.node_id}: {type(exc).__name__} {exc}")
                 continue
             self.stats.beat_latency.append(time.monotonic() - t0)
+            self.stats.beat_sent.append(now)
             if status == 404:
                 self.stats.reregistered_after_404 += 1
                 self.registered.clear()
@@ -277,9 +282,11 @@ class SimNode:
                 path = self.stacks / f"gen{self.generation:04d}-rank{order.rank:05d}.txt"
                 dumps[path] = (f"Thread 0x0 (most recent call first):\n  simulated rank "
                                f"{order.rank} of {self.node_id}\n")
-        if dumps:  # in a thread: 16k files written on the loop would delay every beat
+        if dumps:  # in another process, as the ranks' faulthandler writes them: 16k files
+            # written on this loop, or in a thread of this process, delayed the beats in
+            # flight (the generator's loop was late while the supervisor's was not).
             self.stats.stack_files += len(dumps)
-            asyncio.get_running_loop().run_in_executor(None, _write_stacks, dumps)
+            asyncio.get_running_loop().run_in_executor(_stack_writer(), _write_stacks, dumps)
         if a.action == "run" and (a.generation != self.generation or not self.alive):
             self._stop(report=False)
             self._start(a)
@@ -355,6 +362,16 @@ class SimNode:
         while self._events and time.monotonic() < deadline and not self.silent:
             if not await self._send_events():
                 await asyncio.sleep(0.2)
+
+
+_WRITER: ProcessPoolExecutor | None = None
+
+
+def _stack_writer() -> ProcessPoolExecutor:
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = ProcessPoolExecutor(max_workers=1)
+    return _WRITER
 
 
 def _write_stacks(files: dict[Path, str]) -> None:

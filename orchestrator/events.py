@@ -188,6 +188,15 @@ class GenerationLaunched(Event):
     resume_step: Step | None = None
     assignments: dict[Name, JsonObject] = Field(default_factory=dict)
 
+    def fields(self) -> dict[str, Any]:
+        """As ``Event.fields``, with the assignments as they are: validated into plain JSON
+        already (``_bounded_json`` builds fresh dicts and lists), so a JSON dump of them
+        would only copy them. At 2,048 nodes that copy was 0.06 s per use (the journal's
+        line and the view's launch record), on the loop with every heartbeat waiting."""
+        out = self.model_dump(mode="json", by_alias=True, exclude={"kind", "assignments"})
+        out["assignments"] = dict(self.assignments)
+        return out
+
 
 class RanksStarted(Event):
     kind: Literal["ranks_started"] = "ranks_started"

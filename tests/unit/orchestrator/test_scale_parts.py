@@ -187,3 +187,48 @@ def test_a_mass_silence_waits_longer_before_nodes_are_lost(tmp_path: Path) -> No
     assert registry.mark_silent_lost(10.0) == [] and registry.held_back == 1
     clock.advance(19.0)  # 30.1 s: past three times the limit
     assert len(registry.mark_silent_lost(10.0)) == 38
+
+
+def test_a_stop_goes_out_in_bursts_each_once_the_last_ones_answers_are_in() -> None:
+    """Each assignment brings its node's answers back: the long-poll's response in the
+    loop's next turn, the node's events a few milliseconds later; the loop takes every
+    answer that is in, 1 ms of work each (a busy turn ends late). A stop of 200 nodes must
+    not issue its next burst while the last one's answers are still coming in: a beat
+    waits behind one burst's answers at most. (Before: 64 assignments per turn with only
+    ``sleep(0)`` between, so every turn also carried the previous bursts' events.)"""
+    from orchestrator.supervisor import nodes as nodes_mod
+
+    clock = FakeClock()
+    reg = NodeRegistry(clock)
+    for i in range(200):
+        reg.register(_request(f"n{i:03d}"))
+    pending: list[tuple[float, str]] = []  # (arrival, node) of answers not yet taken
+    turns: list[int] = []  # answers taken per busy turn
+    at_burst: list[int] = []  # answers due from earlier bursts when a burst starts
+
+    async def loop_work() -> None:
+        while True:
+            ready = [a for a in pending if a[0] <= clock.monotonic()]
+            for a in ready:
+                pending.remove(a)
+            if ready:
+                turns.append(len(ready))
+                clock.advance(0.001 * len(ready))
+            await asyncio.sleep(0)
+
+    async def stop() -> None:
+        for i in range(200):
+            if i % nodes_mod._ASSIGN_BURST == 0:
+                at_burst.append(len(pending))
+            now = clock.monotonic()  # the change wakes the poll before assign returns
+            pending.extend([(now, "poll"), (now + 0.005, "events")])
+            await reg.assign(f"n{i:03d}", action="stop", generation=1)
+
+    async def main() -> None:
+        work = asyncio.create_task(loop_work())
+        await stop()
+        work.cancel()
+
+    asyncio.run(main())
+    assert at_burst and all(n == 0 for n in at_burst), at_burst
+    assert max(turns) <= 2 * nodes_mod._ASSIGN_BURST, turns
