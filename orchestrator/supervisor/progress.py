@@ -75,7 +75,10 @@ class GenerationProgress:
         if rp.phase != phase and rp.phase in self.idle:
             self.idle[rp.phase].discard(rp.rank)
         rp.phase, rp.progress_seen = phase, at
-        self.idle.setdefault(phase, OldestFirst()).set(rp.rank, at)
+        ranks = self.idle.get(phase)
+        if ranks is None:  # not ``setdefault``: that built a throwaway heap on every beat
+            ranks = self.idle[phase] = OldestFirst()
+        ranks.set(rp.rank, at)
 
 
 class ProgressTracker:

@@ -232,3 +232,26 @@ def test_a_stop_goes_out_in_bursts_each_once_the_last_ones_answers_are_in() -> N
     asyncio.run(main())
     assert at_burst and all(n == 0 for n in at_burst), at_burst
     assert max(turns) <= 2 * nodes_mod._ASSIGN_BURST, turns
+
+
+def test_a_beat_builds_no_phase_heap_for_a_phase_that_has_one(monkeypatch) -> None:
+    """``GenerationProgress.progressed`` runs for every rank that steps, 16k times a second
+    at 2,048 x 8: a phase's oldest-first heap is made once, when the phase first appears,
+    not built and thrown away on every call (``dict.setdefault`` evaluates its default)."""
+    from orchestrator.supervisor import progress as progress_mod
+
+    made: list[int] = []
+
+    class Counted(OldestFirst[int]):
+        def __init__(self) -> None:
+            made.append(1)
+            super().__init__()
+
+    monkeypatch.setattr(progress_mod, "OldestFirst", Counted)
+    gen = progress_mod.GenerationProgress(1)
+    ranks = [progress_mod.RankProgress(r) for r in range(8)]
+    for step in range(50):
+        for rp in ranks:
+            gen.progressed(rp, "train" if step else None, float(step))
+    assert len(made) == 2  # the phases None and "train"
+    assert gen.idle["train"].oldest() == (0, 49.0) and len(gen.idle[None]) == 0
