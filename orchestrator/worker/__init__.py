@@ -21,7 +21,7 @@ It imports nothing of the supervisor side and never imports torch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from orchestrator.worker.sdk import PHASES, Worker, WorkerContext, running_under_orchestrator
@@ -79,6 +79,12 @@ def event(name: str, **data: Any) -> None:
     current().event(name, **data)
 
 
+def disturbed_while(busy: Callable[[], bool]) -> None:
+    """Work beside training slows the steps until ``busy()`` is False: they are judged by
+    the ``loading`` timeout and do not calibrate the hang timeout (see ``Worker``)."""
+    current().disturbed_while(busy)
+
+
 def shutdown() -> None:
     """Flush the last beat and stop the beat thread."""
     global _worker
@@ -87,5 +93,5 @@ def shutdown() -> None:
         _worker = None
 
 
-__all__ = ["PHASES", "Worker", "WorkerContext", "context", "current", "event", "init",
-           "phase", "running_under_orchestrator", "set_phase", "shutdown", "step_done"]
+__all__ = ["PHASES", "Worker", "WorkerContext", "context", "current", "disturbed_while", "event",
+           "init", "phase", "running_under_orchestrator", "set_phase", "shutdown", "step_done"]
