@@ -199,3 +199,57 @@ def test_ranks_that_never_start_fail_the_launch_at_its_deadline(p: Parts) -> Non
     assert outcome.cause is Cause.WORKER_EXIT and "did not start" in outcome.detail["message"]
     assert p.cfg.timeouts.launch_s < waited <= p.cfg.timeouts.launch_s + 2 * TICK_S
     assert p.moves == []
+
+
+@pytest.mark.parametrize("loop", ["observe", "stop"])
+def test_a_launchs_or_stops_backlog_is_judged_a_few_dozen_at_a_time(
+        tmp_path: Path, loop: str) -> None:
+    """Every node of a launch answers ``ranks_started`` and every node of a stop
+    ``ranks_stopped`` while the assignments go out, so hundreds of observations are queued
+    when the observe or stop loop next looks. Each is a journal record, a fold and a metric:
+    taken in one go, they held the loop while the heartbeats waited. Between two turns of
+    the loop (a beat's chance to be read) at most a few dozen are judged, and all are."""
+    n = 300
+    p = Parts(tmp_path, nodes=n)
+    judged: list[int] = []  # observations judged since the watcher's last turn
+    since_turn = [0]
+    judge_batch = p.intake.judge_batch
+
+    def counting(generation: int, batch: list[Observation]) -> Any:
+        since_turn[0] += len(batch)
+        judged.append(len(batch))
+        return judge_batch(generation, batch)
+
+    p.intake.judge_batch = counting  # type: ignore[method-assign]
+    per_turn: list[int] = []
+
+    async def watcher() -> None:
+        while sum(judged) < n:
+            per_turn.append(since_turn[0])
+            since_turn[0] = 0
+            await asyncio.sleep(0)
+        p.stop.set()
+
+    async def scenario() -> None:
+        p.intake.begin_generation(1, n)
+        for i in range(n):
+            p.intake.queue.put_nowait(
+                started(f"n{i}", i) if loop == "observe" else
+                Observation("stopped", f"n{i}", RanksStopped(generation=1, ts=1.0)))
+        watch = asyncio.create_task(watcher())
+        await asyncio.sleep(0)
+        if loop == "observe":
+            await p.parts.observe(1)
+        else:
+            await p.parts.stop(1)
+        await watch
+
+    asyncio.run(scenario())
+    assert sum(judged) == n
+    assert max(per_turn + [since_turn[0]]) <= 64, per_turn
+    if loop == "observe":
+        assert p.intake.all_started(1)
+        assert len(p.events("ranks_started")) == n
+    else:
+        assert all(node.state is NodeState.ACTIVE for node in p.nodes.nodes.values())
+        assert len(p.events("ranks_stopped")) == n
