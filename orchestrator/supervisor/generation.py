@@ -316,6 +316,10 @@ class GenerationParts:
             pending = [n for n in pending if n.state is NodeState.ACTIVE
                        and n.stopped_generation != generation]
             if not pending:
+                # Every node confirmed on arrival; what they said (their stops and exits)
+                # is journaled before the next generation, when it would be a straggler.
+                while not self.intake.queue.empty():
+                    self.intake.judge_batch(generation, await self._next_batch())
                 return
             self.intake.judge_batch(generation, await self._next_batch())
         for node in waiting:

@@ -253,3 +253,26 @@ def test_a_launchs_or_stops_backlog_is_judged_a_few_dozen_at_a_time(
     else:
         assert all(node.state is NodeState.ACTIVE for node in p.nodes.nodes.values())
         assert len(p.events("ranks_stopped")) == n
+
+
+def test_a_stop_confirmed_on_arrival_still_journals_every_nodes_exits(tmp_path: Path) -> None:
+    """Confirmations mark their node as they arrive, so a stop can be over while its
+    nodes' ``ranks_stopped`` and exits are still queued: they are journaled (a few dozen
+    per turn) before the stop returns, not left to the next generation as stragglers."""
+    n = 200
+    p = Parts(tmp_path, nodes=n)
+
+    async def scenario() -> None:
+        p.intake.begin_generation(1, n)
+        for i in range(n):
+            p.nodes.nodes[f"n{i}"].stopped_generation = 1  # as Intake.on_events marks it
+            p.intake.queue.put_nowait(
+                Observation("stopped", f"n{i}", RanksStopped(generation=1, ts=1.0)))
+            p.intake.queue.put_nowait(exited(f"n{i}", i, code=None, signal="SIGTERM"))
+        await p.parts.stop(1)
+
+    asyncio.run(scenario())
+    assert p.intake.queue.empty()
+    assert len(p.events("ranks_stopped")) == n
+    assert len(p.events("rank_exited")) + sum(
+        len(e["exits"]) for e in p.events("ranks_exited")) == n
