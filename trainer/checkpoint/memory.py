@@ -177,15 +177,16 @@ class MemoryTier:
         return time.perf_counter() - t0
 
     def prepare_saves(self, state: dict[str, Any]) -> None:
-        """After the restore, in the background: fault in the own slots' pages for a state
+        """After a generation's first step, in the background: fault in the own slots' pages for a state
         of this size (tmpfs gives a page on first touch; a save into fresh pages blocked
         0.2-0.3 s for 37.6 MiB here, against 17 ms once they exist) and, on a GPU,
         page-lock them so saves copy device-to-host at full speed. The first save waits
         for this only if it comes first.
 
-        Only after a restore: ``state_dict()`` of an optimizer with no state yet runs a
+        Not before the first step: ``state_dict()`` of an optimizer with no state yet runs a
         zero-learning-rate step to make one (torch's ``_init_optim_state``), which would
-        count a step a fresh run never took. A fresh run prepares after its first step."""
+        count a step a fresh run never took, and beside a restored run's first (compiled)
+        step the page-locking slows it by seconds."""
         if self._pending is not None or self._prepared:
             return
         self._prepared = True
