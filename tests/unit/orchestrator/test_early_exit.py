@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup, dying_status
@@ -78,6 +79,19 @@ def _assignment() -> Assignment:
                       entrypoint=["python", "train.py"])
 
 
+def _killed_rank(tmp_path: Path, on_exit: Any) -> tuple[RankSet, _Held]:
+    """A generation of one rank whose process was SIGKILLed and is not yet reaped, watched
+    as ``RankSet.start`` watches its ranks (call inside the event loop)."""
+    ranks = RankSet(_assignment(), {}, tmp_path / "logs", on_exit, RankSetup(run_dir=tmp_path))
+    held = _Held(_zombie("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+    log = tmp_path / "rank.log"
+    log.write_text("")
+    r = Rank(0, 0, held, log, 0, time.time(), 3)  # type: ignore[arg-type]
+    ranks.ranks.append(r)
+    ranks._watchers.append(asyncio.create_task(ranks._watch(r)))
+    return ranks, held
+
+
 def test_a_killed_rank_is_reported_at_its_channel_closing_and_stays_alive_until_reaped(
         tmp_path: Path) -> None:
     reported: list[tuple[str | None, bool]] = []
@@ -86,14 +100,7 @@ def test_a_killed_rank_is_reported_at_its_channel_closing_and_stays_alive_until_
         reported.append((r.signal, r.alive))
 
     async def scenario() -> tuple[bool, bool]:
-        ranks = RankSet(_assignment(), {}, tmp_path / "logs", on_exit,
-                        RankSetup(run_dir=tmp_path))
-        held = _Held(_zombie("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
-        log = tmp_path / "rank.log"
-        log.write_text("")
-        r = Rank(0, 0, held, log, 0, time.time(), 3)  # type: ignore[arg-type]
-        ranks.ranks.append(r)
-        ranks._watchers.append(asyncio.create_task(ranks._watch(r)))
+        ranks, held = _killed_rank(tmp_path, on_exit)
         ranks.channel_closed(0)
         await asyncio.sleep(0.05)
         early = list(reported)
@@ -116,14 +123,7 @@ def test_a_dying_rank_is_found_by_the_poll_without_its_channel_closing(tmp_path:
         reported.append(r.signal)
 
     async def scenario() -> bool:
-        ranks = RankSet(_assignment(), {}, tmp_path / "logs", on_exit,
-                        RankSetup(run_dir=tmp_path))
-        held = _Held(_zombie("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
-        log = tmp_path / "rank.log"
-        log.write_text("")
-        r = Rank(0, 0, held, log, 0, time.time(), 3)  # type: ignore[arg-type]
-        ranks.ranks.append(r)
-        ranks._watchers.append(asyncio.create_task(ranks._watch(r)))
+        ranks, held = _killed_rank(tmp_path, on_exit)
         poll = asyncio.create_task(ranks.watch_dying(0.01))
         await asyncio.wait_for(poll, 30)  # ends once every rank is reported
         reported_before_reaping = list(reported) == ["SIGKILL"]
