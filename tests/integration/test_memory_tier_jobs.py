@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +153,10 @@ def _damage(mem: Path, step: int, how: str) -> None:
         f.write(bytes([byte[0] ^ 0x40]))
 
 
-def _interrupt(tmp: Path, dataset: Path, damage: str, partner: bool) -> tuple[Path, int]:
-    """Run a job; after a first durable checkpoint, freeze it at a quiet moment, damage
-    rank 1's memory (``flip``: one byte of its newest copy; ``delete``: the node's whole
-    memory), SIGKILL rank 1 and let rank 0 go on. Returns the run and the step damaged."""
-    cfg = memory_config(tmp, dataset, checkpoint={"memory_partner": partner})
-    run = tmp / "run"
+def _run_and_break(cfg: Path, run: Path, act: Callable[[Path], Any]) -> Any:
+    """Run the job of ``cfg``; once a first durable checkpoint is committed, call
+    ``act(run)`` (freeze, damage, kill); wait for the job to end, which must be COMPLETED.
+    Returns what ``act`` returned."""
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(cfg),
                              "--run-dir", str(run)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env(),
@@ -165,17 +164,31 @@ def _interrupt(tmp: Path, dataset: Path, damage: str, partner: bool) -> tuple[Pa
     try:
         wait_for(lambda: any(e["kind"] == "checkpoint_committed" for e in journal(run)), 180,
                  what="a first durable checkpoint")
-        pid0, pid1, step = _freeze_quiet(run, tmp / "shm", partner)
-        _damage(node_dir(tmp / "shm", run, "local-1"), step, damage)
-        os.kill(pid1, signal.SIGKILL)
-        os.kill(pid0, signal.SIGCONT)
+        result = act(run)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         kill_strays(run)
     assert proc.returncode == 0, out[-4000:]
-    return run, step
+    return result
+
+
+def _interrupt(tmp: Path, dataset: Path, damage: str, partner: bool) -> tuple[Path, int]:
+    """Run a job; after a first durable checkpoint, freeze it at a quiet moment, damage
+    rank 1's memory (``flip``: one byte of its newest copy; ``delete``: the node's whole
+    memory), SIGKILL rank 1 and let rank 0 go on. Returns the run and the step damaged."""
+    cfg = memory_config(tmp, dataset, checkpoint={"memory_partner": partner})
+
+    def act(run: Path) -> int:
+        pid0, pid1, step = _freeze_quiet(run, tmp / "shm", partner)
+        _damage(node_dir(tmp / "shm", run, "local-1"), step, damage)
+        os.kill(pid1, signal.SIGKILL)
+        os.kill(pid0, signal.SIGCONT)
+        return step
+
+    run = tmp / "run"
+    return run, _run_and_break(cfg, run, act)
 
 
 def test_corrupt_memory_copy_falls_back_to_durable(tmp_path: Path, dataset_dir: Path,
@@ -227,26 +240,18 @@ def test_node_lost_restores_from_the_partner_copy(tmp_path: Path, dataset_dir: P
     """The agent of node 1 dies with its rank: the node's memory dies with it (the new
     agent starts empty), and rank 1 restores from the copy node 0 holds."""
     cfg = memory_config(tmp_path, dataset_dir)
-    run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(cfg),
-                             "--run-dir", str(run)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env(),
-                            start_new_session=True)
-    try:
-        wait_for(lambda: any(e["kind"] == "checkpoint_committed" for e in journal(run)), 180,
-                 what="a first durable checkpoint")
+
+    def act(run: Path) -> int:
         agent = next(e for e in journal(run) if e["kind"] == "agent_spawned"
                      and e["node_id"] == "local-1")
         pid0, pid1, step = _freeze_quiet(run, tmp_path / "shm", partner=True)
         os.kill(agent["pid"], signal.SIGKILL)
         os.kill(pid1, signal.SIGKILL)
         os.kill(pid0, signal.SIGCONT)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        kill_strays(run)
-    assert proc.returncode == 0, out[-4000:]
+        return step
+
+    run = tmp_path / "run"
+    step = _run_and_break(cfg, run, act)
     failure = next(e for e in journal(run) if e["kind"] == "failure")
     assert failure["cause"] == "node_lost" and failure["node_id"] == "local-1"
     second = tiers(run)[1]
