@@ -283,10 +283,14 @@ async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
                              beat_timeout_s=max(5.0, 3.0 * a.lost_s))
                      for i in range(a.nodes + a.spares)]
             agents = [asyncio.create_task(n.run()) for n in nodes]
+            opened = Conn.opened
             try:
                 result = await asyncio.wait_for(scenario(a, net, sup, nodes), a.run_timeout_s)
             except TimeoutError:
                 result = {"faults": [], "timed_out": True}
+            # Each a TCP accept (and a TLS handshake where the API is https) on the
+            # supervisor's loop.
+            result["agent_connections_opened"] = Conn.opened - opened
             for _ in range(int(a.phase_timeout_s * 10)):
                 if sup.proc.poll() is not None:
                     break

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from concurrent.futures import ProcessPoolExecutor
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
 import loadgen_wire as wire
-from loadgen_http import Conn
+from loadgen_http import Conn, Pool
 
 # A rank starts in ``init`` and reaches ``training`` this long after its start (imports,
 # rendezvous); its steps then advance every ``step_s``.
@@ -68,6 +68,10 @@ class Net:
         if self._operator is not None:
             self._operator.close()
 
+    def pool(self, node_id: str) -> Pool:
+        """The connections of the agent of ``node_id`` (its own credential)."""
+        return Pool(self.url, wire.bearer(self.token, node_id))
+
     def conn(self, node_id: str) -> Conn:
         """A connection speaking as ``node_id`` (its own credential; "" is the operator)."""
         return Conn(self.url, wire.bearer(self.token, node_id))
@@ -107,8 +111,7 @@ class SimNode:
         self._events_ready = asyncio.Event()
         self._done_signals: set[int] = set()
         self.stopped = asyncio.Event()
-        self._conns = {kind: net.conn(self.node_id)
-                       for kind in ("register", "beat", "poll", "events")}
+        self._pool = net.pool(self.node_id)
 
     # -- faults (called by the scenario) ------------------------------------------------------
     def hang(self, rank: int) -> None:
@@ -140,8 +143,7 @@ class SimNode:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for conn in self._conns.values():
-                conn.close()
+            self._pool.close()
 
     async def _quiet(self) -> None:
         while self.silent:
@@ -157,7 +159,7 @@ class SimNode:
                                  self.generation if self.alive else None, self.version,
                                  self._infos(time.time()) if self.alive else [])
             try:
-                status, data = await self._conns["register"].request(
+                status, data = await self._pool.request(
                     "POST", "/v1/register", 30.0, json_body=body)
             except (OSError, TimeoutError) as exc:
                 self.stats.register_retries += 1
@@ -229,7 +231,7 @@ class SimNode:
                                   self._records(now))
             t0 = time.monotonic()
             try:
-                status, data = await self._conns["beat"].request("POST", "/v1/heartbeat",
+                status, data = await self._pool.request("POST", "/v1/heartbeat",
                                                             self.beat_timeout_s,
                                                             json_body=body)
             except (OSError, TimeoutError) as exc:
@@ -251,7 +253,7 @@ class SimNode:
             await self.registered.wait()
             await self._quiet()
             try:
-                status, data = await self._conns["poll"].request(
+                status, data = await self._pool.request(
                     "GET", "/v1/assignment", _POLL_S + 10.0,
                     params={"node_id": self.node_id, "after": self.version,
                             "timeout": _POLL_S})
@@ -336,7 +338,7 @@ class SimNode:
             self._events_ready.clear()
             return True
         try:
-            status, data = await self._conns["events"].request(
+            status, data = await self._pool.request(
                 "POST", "/v1/events", self.beat_timeout_s,
                 json_body=wire.events(self.node_id, batch))
         except (OSError, TimeoutError) as exc:
