@@ -232,8 +232,11 @@ class NodeRegistry:
         return self._clock.monotonic() - node.last_seen
 
     # -- commands to agents ----------------------------------------------------------------
-    async def assign(self, node_id: str, **fields: object) -> Assignment:
-        """Replace the node's assignment (keeping pending signal orders) and wake its poll."""
+    async def assign(self, node_id: str, *, spread: bool = False,
+                     **fields: object) -> Assignment:
+        """Replace the node's assignment (keeping pending signal orders) and wake its poll.
+        ``spread``: a launch's assignment, whose bursts also wait for room on the loop
+        (``_pace``); a stop's go out as fast as their answers are taken."""
         node = self.nodes[node_id]
         data = node.assignment.model_dump()
         data.update(fields)
@@ -247,10 +250,10 @@ class NodeRegistry:
             self._wake[node_id] = asyncio.Event()
         self._assigned += 1
         if self._assigned % _ASSIGN_BURST == 0:
-            await self._pace()
+            await self._pace(spread)
         return node.assignment
 
-    async def _pace(self) -> None:
+    async def _pace(self, spread: bool) -> None:
         """A launch, a stop or a stack dump assigns to every node in one loop, and each
         assignment brings its node's answers back at once (the long-poll's response, the
         node's events, its next poll): about 1 ms of the loop's work per node. Issued 64
@@ -260,23 +263,26 @@ class NodeRegistry:
         and more while it wakes from it late (it is still busy with the answers), up to
         ``_PACE_MAX_TURNS``: the next burst goes out once the last one's answers are in.
 
-        And once the loop has room for them. A turn that woke on time can still have been
+        A launch's bursts (``spread``) also wait for room on the loop. A turn that woke on
+        time can still have been
         busy all along: at 2,048 nodes the beats alone keep the loop 65-85 % busy, a
         launch's answers (the polls' responses, the ``ranks_started`` posts) add ~0.6 ms
         of work per node, and issued as fast as turns came on time they held the loop at
         100 % for 2-4 s; its backlog grew, and 20-50 % of the beats of the launch waited
         over 100 ms (at 2,048 x 8 pinned, the heartbeat p99 was 108-237 ms, most of the
-        late beats in launches). So a pause also lasts while the loop's own thread was
-        busy more than ``_PACE_BUSY`` of it: the launch is spread at the rate the loop can
-        take beside the beats, for ``_PACE_BUSY_TURNS`` at most (80 ms a burst: when the
-        beats alone keep the loop that busy, a stop of 2,048 nodes is 5 s longer, not
-        stalled)."""
+        late beats in launches). So a launch's pause also lasts while the loop's own thread
+        was busy more than ``_PACE_BUSY`` of it: the launch is spread at the rate the loop
+        can take beside the beats, for ``_PACE_BUSY_TURNS`` at most (80 ms a burst: when
+        the beats alone keep the loop that busy, a launch of 2,048 nodes is 5 s longer,
+        not stalled). Not a stop's: a stop and its stack dump are what the job waits on
+        (spread too, a hang's stop took 14 s at 2,048 x 8)."""
         for turn in range(_PACE_MAX_TURNS):
             start, cpu = self._clock.monotonic(), self._loop_cpu()
             await self._clock.sleep(_PACE_S)
             wall = self._clock.monotonic() - start
             busy = (self._loop_cpu() - cpu) / wall if wall > 0 else 0.0
-            if wall < 2 * _PACE_S and (busy < _PACE_BUSY or turn + 1 >= _PACE_BUSY_TURNS):
+            if wall < 2 * _PACE_S and (not spread or busy < _PACE_BUSY
+                                       or turn + 1 >= _PACE_BUSY_TURNS):
                 return
 
     async def send_signal(self, node_id: str, rank: int, signal: str) -> None:
