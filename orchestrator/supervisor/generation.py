@@ -96,7 +96,7 @@ class GenerationParts:
         self.intake.begin_generation(generation, self.cfg.cluster.world_size)
         self.ctx.record(launched, durable=True)
         for node_id, assignment in assignments.items():
-            await nodes.assign(node_id, spread=True, **assignment)
+            await nodes.assign(node_id, **assignment)
         for node_id in placement.spares:
             await nodes.assign(node_id, action="idle", generation=None)
         for node in nodes.with_state(NodeState.EXCLUDED):
@@ -218,7 +218,7 @@ class GenerationParts:
                 node = self.nodes.nodes[node_id]
                 if node.generation == generation:  # registered before we were listening
                     self.intake.started[node_id] = sorted(node.ranks)
-                await self.nodes.assign(node_id, spread=True, **assignment)
+                await self.nodes.assign(node_id, **assignment)
         if self.ctx.view.state is JobState.STOPPING:
             return Outcome(Cause.NODE_LOST, {
                 "message": "the supervisor died while stopping this generation"})

@@ -22,7 +22,6 @@ per-state counts are kept as nodes move, and a node's signal orders go out in on
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -52,10 +51,6 @@ MASS_SILENCE_GRACE = 3.0
 _ASSIGN_BURST = 32
 _PACE_S = 0.01
 _PACE_MAX_TURNS = 20
-# The share of a pause the loop may have been busy (its thread's CPU time over the wall
-# time) for the next burst to go out, and the turns a burst waits for that at most.
-_PACE_BUSY = 0.8
-_PACE_BUSY_TURNS = 8
 
 
 class IllegalNodeMove(RuntimeError):
@@ -94,10 +89,8 @@ class NodeRegistry:
 
     def __init__(self, clock: Clock, record: Callable[[Event], Envelope] | None = None,
                  on_counts: Callable[[dict[str, int]], None] | None = None,
-                 lag: LoopLag | None = None,
-                 loop_cpu: Callable[[], float] = time.thread_time) -> None:
+                 lag: LoopLag | None = None) -> None:
         self._clock = clock
-        self._loop_cpu = loop_cpu  # CPU seconds of the loop's own thread (``_pace``)
         self._service = lag.service_time if lag is not None else clock.monotonic
         # What rank progress and hangs are judged on: the service clock too.
         self.judge_clock: Clock = ServiceClock(clock, lag) if lag is not None else clock
@@ -232,11 +225,8 @@ class NodeRegistry:
         return self._clock.monotonic() - node.last_seen
 
     # -- commands to agents ----------------------------------------------------------------
-    async def assign(self, node_id: str, *, spread: bool = False,
-                     **fields: object) -> Assignment:
-        """Replace the node's assignment (keeping pending signal orders) and wake its poll.
-        ``spread``: a launch's assignment, whose bursts also wait for room on the loop
-        (``_pace``); a stop's go out as fast as their answers are taken."""
+    async def assign(self, node_id: str, **fields: object) -> Assignment:
+        """Replace the node's assignment (keeping pending signal orders) and wake its poll."""
         node = self.nodes[node_id]
         data = node.assignment.model_dump()
         data.update(fields)
@@ -250,10 +240,10 @@ class NodeRegistry:
             self._wake[node_id] = asyncio.Event()
         self._assigned += 1
         if self._assigned % _ASSIGN_BURST == 0:
-            await self._pace(spread)
+            await self._pace()
         return node.assignment
 
-    async def _pace(self, spread: bool) -> None:
+    async def _pace(self) -> None:
         """A launch, a stop or a stack dump assigns to every node in one loop, and each
         assignment brings its node's answers back at once (the long-poll's response, the
         node's events, its next poll): about 1 ms of the loop's work per node. Issued 64
@@ -261,28 +251,11 @@ class NodeRegistry:
         nodes queued ahead of the heartbeats (beats waited 0.3-0.9 s in every stop and
         launch at 1,024 nodes). So after each burst the loop gets a turn of ``_PACE_S``,
         and more while it wakes from it late (it is still busy with the answers), up to
-        ``_PACE_MAX_TURNS``: the next burst goes out once the last one's answers are in.
-
-        A launch's bursts (``spread``) also wait for room on the loop. A turn that woke on
-        time can still have been
-        busy all along: at 2,048 nodes the beats alone keep the loop 65-85 % busy, a
-        launch's answers (the polls' responses, the ``ranks_started`` posts) add ~0.6 ms
-        of work per node, and issued as fast as turns came on time they held the loop at
-        100 % for 2-4 s; its backlog grew, and 20-50 % of the beats of the launch waited
-        over 100 ms (at 2,048 x 8 pinned, the heartbeat p99 was 108-237 ms, most of the
-        late beats in launches). So a launch's pause also lasts while the loop's own thread
-        was busy more than ``_PACE_BUSY`` of it: the launch is spread at the rate the loop
-        can take beside the beats, for ``_PACE_BUSY_TURNS`` at most (80 ms a burst: when
-        the beats alone keep the loop that busy, a launch of 2,048 nodes is 5 s longer,
-        not stalled). Not a stop's: a stop and its stack dump are what the job waits on
-        (spread too, a hang's stop took 14 s at 2,048 x 8)."""
-        for turn in range(_PACE_MAX_TURNS):
-            start, cpu = self._clock.monotonic(), self._loop_cpu()
+        ``_PACE_MAX_TURNS``: the next burst goes out once the last one's answers are in."""
+        for _ in range(_PACE_MAX_TURNS):
+            due = self._clock.monotonic() + _PACE_S
             await self._clock.sleep(_PACE_S)
-            wall = self._clock.monotonic() - start
-            busy = (self._loop_cpu() - cpu) / wall if wall > 0 else 0.0
-            if wall < 2 * _PACE_S and (not spread or busy < _PACE_BUSY
-                                       or turn + 1 >= _PACE_BUSY_TURNS):
+            if self._clock.monotonic() - due < _PACE_S:
                 return
 
     async def send_signal(self, node_id: str, rank: int, signal: str) -> None:

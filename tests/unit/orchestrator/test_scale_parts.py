@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 from fakes import FakeClock, FakeLog, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -200,7 +199,7 @@ def test_a_stop_goes_out_in_bursts_each_once_the_last_ones_answers_are_in() -> N
     from orchestrator.supervisor import nodes as nodes_mod
 
     clock = FakeClock()
-    reg = NodeRegistry(clock, loop_cpu=lambda: 0.0)
+    reg = NodeRegistry(clock)
     for i in range(200):
         reg.register(_request(f"n{i:03d}"))
     pending: list[tuple[float, str]] = []  # (arrival, node) of answers not yet taken
@@ -233,52 +232,6 @@ def test_a_stop_goes_out_in_bursts_each_once_the_last_ones_answers_are_in() -> N
     asyncio.run(main())
     assert at_burst and all(n == 0 for n in at_burst), at_burst
     assert max(turns) <= 2 * nodes_mod._ASSIGN_BURST, turns
-
-
-def test_a_launch_burst_waits_while_the_loop_is_busy_and_goes_once_it_has_room() -> None:
-    """A pause that woke on time may still have been busy all along (the beats of 2,048
-    nodes keep the loop 65-85 % busy): a launch's next burst waits while the loop's own
-    thread was busy more than ``_PACE_BUSY`` of the pause, ``_PACE_BUSY_TURNS`` pauses at
-    most, and goes after one pause when the loop had room. (Before: one pause, whatever
-    the load, and a launch held the loop at 100 % for seconds.) A stop's bursts do not
-    wait for room: the job waits on the stop."""
-    from orchestrator.supervisor import nodes as nodes_mod
-
-    clock = FakeClock()
-    cpu = [0.0]
-    share = [0.95]  # of each pause, the loop's thread was busy with other work (the beats)
-    reg = NodeRegistry(clock, loop_cpu=lambda: cpu[0])
-    burst = nodes_mod._ASSIGN_BURST
-    for i in range(3 * burst):
-        reg.register(_request(f"n{i:03d}"))
-    sleep = clock.sleep
-
-    async def busy_sleep(seconds: float) -> None:
-        cpu[0] += share[0] * seconds
-        await sleep(seconds)
-
-    clock.sleep = busy_sleep  # type: ignore[method-assign]
-
-    async def burst_of(first: int, spread: bool = True) -> float:
-        start = clock.monotonic()
-        for i in range(first, first + burst):
-            await reg.assign(f"n{i:03d}", spread=spread, action="run", generation=1)
-        return clock.monotonic() - start
-
-    async def main() -> list[float]:
-        waited = [await burst_of(0)]
-        share[0] = 0.5
-        waited.append(await burst_of(burst))
-        share[0] = nodes_mod._PACE_BUSY + 0.01
-        waited.append(await burst_of(2 * burst))
-        waited.append(await burst_of(0, spread=False))  # a stop's: the job waits on it
-        return waited
-
-    busy, room, just_over, stop = asyncio.run(main())
-    assert busy == pytest.approx(nodes_mod._PACE_BUSY_TURNS * nodes_mod._PACE_S)
-    assert room == pytest.approx(nodes_mod._PACE_S)
-    assert just_over == pytest.approx(nodes_mod._PACE_BUSY_TURNS * nodes_mod._PACE_S)
-    assert stop == pytest.approx(nodes_mod._PACE_S)
 
 
 def test_a_beat_builds_no_phase_heap_for_a_phase_that_has_one(monkeypatch) -> None:
