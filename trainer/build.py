@@ -83,9 +83,21 @@ def build_checkpointer(settings: WorkerSettings, dctx: DistContext, worker: Work
                         device_type=dctx.device.type, uploader=uploader)
 
 
+def digest_ahead(settings: WorkerSettings, ctx: WorkerContext) -> Any:
+    """Start digesting this rank's newest memory copy (``memory_slots.DigestAhead``) when
+    the tier is on: called before the process groups are set up, which it overlaps."""
+    if settings.checkpoint.memory_interval_steps is None or not ctx.memory_dir:
+        return None
+    from pathlib import Path
+
+    from trainer.checkpoint.memory_slots import DigestAhead
+
+    return DigestAhead(Path(ctx.memory_dir), ctx.rank, ctx.resume_max_step)
+
+
 def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                       checkpointer: Checkpointer, backend: Backend,
-                      log: Callable[[str], None]) -> Any:
+                      log: Callable[[str], None], ahead: Any = None) -> Any:
     """The memory tier (``trainer.checkpoint.memory``) when the config turns it on and the
     agent made this node's slots; None otherwise (said once in the log)."""
     cfg = settings.checkpoint
@@ -121,7 +133,7 @@ def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerCo
                       job=settings.job, config_hash=settings.config_hash,
                       generation=ctx.generation, partner=cfg.memory_partner,
                       group=group, trust=lambda: checkpointer.store.trust,
-                      log=log, device_type=dctx.device.type)
+                      log=log, device_type=dctx.device.type, ahead=ahead)
 
 
 def plan_memory_restore(memory: Any, checkpointer: Checkpointer, dctx: DistContext,
@@ -161,7 +173,7 @@ def load_from_memory(memory: Any, plan: Any, state: dict[str, Any], dctx: DistCo
 
 def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                 worker: Worker, log: Callable[[str], None],
-                marks: dict[str, float] | None = None) -> Parts:
+                marks: dict[str, float] | None = None, ahead: Any = None) -> Parts:
     """Every part of the run, with the newest checkpoint (or the HF weights) loaded.
 
     The checkpoint is chosen before the model is built: with none, Hugging Face weights go
@@ -186,7 +198,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                          f"vocab_size {resolve_model_args(cfg.model).vocab_size}")
     mark("built_loader")
     checkpointer = build_checkpointer(settings, dctx, worker, log, backend)
-    memory = build_memory_tier(settings, dctx, ctx, checkpointer, backend, log)
+    memory = build_memory_tier(settings, dctx, ctx, checkpointer, backend, log, ahead)
     mark("built_checkpointer")
     with worker.phase("loading"):
         t0 = time.perf_counter()

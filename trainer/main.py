@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         log(chaos.START_FAILURE)
         return code
 
-    from trainer.build import build_parts
+    from trainer.build import build_parts, digest_ahead
     from trainer.distributed import init_distributed, teardown
     from trainer.loop import train
     from trainer.settings import load_settings
@@ -70,12 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_settings(args.config or ctx.config_path, job=ctx.job if ctx.managed else None,
                              checkpoint_root=ctx.checkpoint_root)
+    ahead = digest_ahead(settings, ctx)  # overlaps the process groups' set-up
     dctx = init_distributed(settings.trainer, marks=startup)
     startup["dist_ready"] = time.time()
     parts = None
     trained = False
     try:
-        parts = build_parts(settings, dctx, ctx, worker, log, marks=startup)
+        parts = build_parts(settings, dctx, ctx, worker, log, marks=startup, ahead=ahead)
         startup["built"] = time.time()  # model, optimizer, data, and the checkpoint restore
         parts.startup = startup
         train(parts)  # returns in the ``finishing`` phase

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
-from trainer.checkpoint.memory_slots import Copy, Pinned, Slots, digest_of
+from trainer.checkpoint.memory_slots import Copy, DigestAhead, Pinned, Slots, digest_of
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
 
@@ -109,8 +109,9 @@ class MemoryTier:
                  job: str, config_hash: str | None, generation: int, partner: bool,
                  group: Any, trust: Callable[[], signing.Trust | None],
                  log: Callable[[str], None], device_type: str = "cpu",
-                 pin_restore: bool = False) -> None:
+                 pin_restore: bool = False, ahead: DigestAhead | None = None) -> None:
         self.slots = Slots(root)
+        self._ahead = ahead  # this rank's own newest copy, digested since the start
         self.pin_restore = pin_restore and device_type == "cuda"
         self._pinned: list[Pinned] = []
         self.rank = rank
@@ -390,8 +391,14 @@ class MemoryTier:
         problem = mf.check(copy.manifest, trust=self.trust, job=self.job,
                            config_hash=self.config_hash, rank=rank,
                            world_size=self.world_size, capacity=len(buf))
-        if problem is None and digest_of(buf, copy.manifest) != copy.manifest.digest:
-            problem = "digest mismatch (torn or corrupt bytes)"
+        if problem is None:
+            computed = None
+            if self._ahead is not None and copy.kind == "own" and rank == self.rank:
+                computed = self._ahead.digest(copy.slot, copy.manifest)
+            if computed is None:
+                computed = digest_of(buf, copy.manifest)
+            if computed != copy.manifest.digest:
+                problem = "digest mismatch (torn or corrupt bytes)"
         return (memoryview(buf), None) if problem is None else (None, problem)
 
     def plan(self, durable_step: int | None, max_step: int | None) -> Plan:

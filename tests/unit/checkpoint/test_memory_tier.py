@@ -18,6 +18,7 @@ from orchestrator.agent.memory import NodeMemory
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
 from trainer.checkpoint.memory import MemoryTier
+from trainer.checkpoint.memory_slots import DigestAhead
 from trainer.state import Progress
 
 KEY = b"k" * 32
@@ -128,6 +129,77 @@ def test_a_damaged_copy_is_never_loaded(tmp_path: Path, damage: str, reason: str
     plan = t.plan(durable_step=None, max_step=None)
     assert not plan.use
     assert reason in plan.reason or (damage == "manifest" and "no memory copy" in plan.reason)
+
+
+def _restart(tmp_path: Path, old: MemoryTier, max_step: int | None = None,
+             ) -> tuple[MemoryTier, DigestAhead]:
+    """A new rank's tier over the same slots, with the digest started ahead of it."""
+    ahead = DigestAhead(old.slots.root, 0, max_step)
+    args = {"rank": 0, "world_size": 1, "procs_per_node": 1, "job": "j", "config_hash": "c",
+            "generation": 2, "partner": False, "group": None, "trust": lambda: TRUST,
+            "log": lambda _m: None, "ahead": ahead}
+    return MemoryTier(old.slots.root, **args), ahead
+
+
+def test_the_digest_ahead_is_the_plans_and_the_plan_digests_nothing_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newest own copy is digested in a thread from the worker's start (before the
+    process groups); the plan takes that digest instead of reading 6.8 GB again."""
+    from trainer.checkpoint import memory as memory_mod
+
+    old = tier(tmp_path)
+    old.save(5, 0, state(1))
+    old.wait()
+    old.save(10, 0, state(2))
+    old.wait()
+    new, ahead = _restart(tmp_path, old)
+    calls: list[int] = []
+    real = memory_mod.digest_of
+    monkeypatch.setattr(memory_mod, "digest_of",
+                        lambda buf, m: calls.append(m.step) or real(buf, m))
+    plan = new.plan(durable_step=None, max_step=None)
+    assert plan.use and plan.step == 10 and calls == [], (plan.reason, calls)
+    assert ahead.error is None and ahead.seconds > 0
+    dst = state(3)
+    new.load(plan, dst)
+    assert torch.equal(dst["model"].value["w"], state(2)["model"].value["w"])
+    # Capped below the newest (a rollback): the older copy was not digested ahead.
+    capped, _ = _restart(tmp_path, old, max_step=7)
+    assert capped.plan(durable_step=None, max_step=7).step == 5
+
+
+def test_a_copy_corrupted_before_the_restart_fails_its_digest_ahead(tmp_path: Path) -> None:
+    old = tier(tmp_path)
+    old.save(5, 0, state(1))
+    old.wait()
+    (copy,) = old.slots.copies("own", 0)
+    with open(old.slots.path("own", 0, copy.slot, "bin"), "r+b") as f:
+        f.seek(copy.manifest.segments[0].offset + 3)
+        f.write(b"\xff")
+    new, ahead = _restart(tmp_path, old)
+    plan = new.plan(durable_step=None, max_step=None)
+    assert not plan.use and "digest mismatch" in plan.reason, plan.reason
+    assert ahead.digest(copy.slot, copy.manifest) not in (None, copy.manifest.digest)
+
+
+def test_a_copy_committed_again_after_the_digest_ahead_is_digested_afresh(
+        tmp_path: Path) -> None:
+    """The digest is kept under the digest its manifest claimed: another commit of the
+    slot (another manifest) is not matched to it, and is digested by the plan."""
+    old = tier(tmp_path)
+    old.save(5, 0, state(1))
+    old.wait()
+    new, ahead = _restart(tmp_path, old)
+    (first,) = old.slots.copies("own", 0)
+    assert ahead.digest(first.slot, first.manifest) == first.manifest.digest
+    old.save(10, 0, state(2))
+    old.wait()
+    old.save(15, 0, state(4))
+    old.wait()  # the slot of step 5 now holds step 15
+    again = next(c for c in old.slots.copies("own", 0) if c.slot == first.slot)
+    assert again.manifest.step == 15 and ahead.digest(again.slot, again.manifest) is None
+    plan = new.plan(durable_step=None, max_step=None)
+    assert plan.use and plan.step == 15, plan.reason
 
 
 def test_layout_mismatch_raises_before_loading_anything(tmp_path: Path) -> None:
