@@ -2,7 +2,15 @@
 
 Ranks send ``beat`` lines (their latest progress and step records) and ``event`` lines
 (checkpoint committed, ...). The agent keeps the newest beat of each rank and the step
-records not yet relayed; events are handed on at once. The other way, the agent writes
+records not yet relayed; events are handed on at once.
+
+A beat is parsed into ``WorkerBeat`` (the protocol's own types and bounds) before any of
+it is kept: its fields go into the node's heartbeat, which the supervisor parses strictly,
+so one unchecked value (a user's script calling ``step_done(5.0)``) made every heartbeat of
+the node refused, and the node was declared LOST. A line that does not parse is dropped and
+said in the log (once per rank and problem); the rank's last good beat stands, and a rank
+whose beats never parse is judged as one that does not step. Events are parsed by the agent
+into ``WorkerEvent`` (``Agent._on_worker_event``). The other way, the agent writes
 orders for a rank (``profile`` lines) on the connection that rank last beat on; one the rank
 has not connected for yet waits for its first beat.
 """
@@ -16,9 +24,13 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from orchestrator.logs import get_logger
+from orchestrator.protocol import MAX_STEP_INTERVAL_S, Generation, Phase, Pid, Rank, Step
+from orchestrator.worker_events import Timestamp
 
 # Records held for the supervisor while it is unreachable; beyond this the oldest are
 # dropped (they are in the worker's own logs; the stream resumes when it is back).
@@ -53,6 +65,41 @@ def _seconds(value: Any) -> float | None:
     return None
 
 
+# A summary of the rank's recent steps (means of what the script reported): one that is not
+# a measurement is left out, not a reason to drop the beat.
+Summary = Annotated[float | None, BeforeValidator(_seconds)]
+Interval = Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)]
+
+
+class WorkerBeat(BaseModel):
+    """A ``beat`` line of the worker SDK, in the protocol's types (``RankInfo``'s)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
+
+    t: Literal["beat"]
+    rank: Rank
+    pid: Pid | None = None
+    generation: Generation | None = None
+    step: Step | None = None
+    phase: Phase | None = None
+    last_step_ts: Timestamp | None = None
+    interval_max: Interval | None = None
+    ts: Timestamp | None = None
+    progress: Literal["sdk", "hook"] | None = None
+    finished: bool = False
+    step_time: Summary = None
+    data_wait: Summary = None
+    # Checked one by one when relayed (``keep_valid_records``): one bad record is dropped
+    # there, not the beat.
+    records: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def _problem(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False, include_input=False, include_context=False)[0]
+    where = ".".join(str(p) for p in err["loc"]) or "line"
+    return f"{where}: {err['msg']}"[:200]
+
+
 @dataclass
 class LocalHub:
     """Latest beat per rank, records pending relay, and a callback for events."""
@@ -67,6 +114,8 @@ class LocalHub:
     # waiting for it to connect.
     writers: dict[int, Callable[[bytes], None]] = field(default_factory=dict)
     pending: dict[int, list[bytes]] = field(default_factory=dict)
+    dropped: int = 0  # beat lines that did not parse
+    _said: set[tuple[object, str]] = field(default_factory=set)  # (rank, problem) logged
 
     def send_order(self, rank: int, order: dict[str, Any]) -> None:
         line = (json.dumps(order) + "\n").encode()
@@ -87,31 +136,45 @@ class LocalHub:
         for line in self.pending.pop(rank, []):
             write(line)
 
-    def handle(self, msg: dict[str, Any]) -> None:
+    def handle(self, msg: dict[str, Any]) -> int | None:
+        """One line from a rank; the rank of a beat that parsed (else None)."""
         kind = msg.get("t")
-        rank = msg.get("rank")
-        if not isinstance(rank, int):
+        if kind == "event":
+            if isinstance(msg.get("rank"), int):
+                self.on_event(msg)
+            return None
+        if kind != "beat":
+            return None
+        try:
+            beat = WorkerBeat.model_validate(msg)
+        except ValidationError as exc:
+            self._drop(msg.get("rank"), _problem(exc))
+            return None
+        st = self.beats.setdefault(beat.rank, BeatState(beat.rank))
+        if beat.pid is not None:
+            st.pid = beat.pid
+        if beat.generation is not None:
+            st.generation = beat.generation
+        st.step, st.phase = beat.step, beat.phase
+        st.last_step_ts, st.interval_max = beat.last_step_ts, beat.interval_max
+        st.beat_ts, st.progress, st.finished = beat.ts, beat.progress, beat.finished
+        st.step_time, st.data_wait = beat.step_time, beat.data_wait
+        if beat.records:
+            if self.records_generation != st.generation:
+                self.records, self.records_generation = [], st.generation
+            self.records.extend(beat.records)
+            del self.records[:-_MAX_PENDING_RECORDS]
+        return beat.rank
+
+    def _drop(self, rank: object, problem: str) -> None:
+        self.dropped += 1
+        key = (rank if isinstance(rank, int) else None, problem)
+        if key in self._said or len(self._said) >= 256:
             return
-        if kind == "beat":
-            st = self.beats.setdefault(rank, BeatState(rank))
-            st.pid = msg.get("pid", st.pid)
-            st.generation = msg.get("generation", st.generation)
-            st.step, st.phase = msg.get("step"), msg.get("phase")
-            st.last_step_ts, st.interval_max = msg.get("last_step_ts"), msg.get("interval_max")
-            st.beat_ts = msg.get("ts")
-            progress = msg.get("progress")
-            st.progress = progress if progress in ("sdk", "hook") else None
-            st.finished = msg.get("finished") is True
-            st.step_time, st.data_wait = _seconds(msg.get("step_time")), \
-                _seconds(msg.get("data_wait"))
-            recs = msg.get("records") or []
-            if recs:
-                if self.records_generation != st.generation:
-                    self.records, self.records_generation = [], st.generation
-                self.records.extend(recs)
-                del self.records[:-_MAX_PENDING_RECORDS]
-        elif kind == "event":
-            self.on_event(msg)
+        self._said.add(key)
+        get_logger("orchestrator.agent.socket").warning(
+            "worker beat dropped: not valid for the protocol (said once per rank and "
+            "problem; the rank's last valid beat stands)", rank=key[0], problem=problem)
 
     def take_records(self) -> tuple[int | None, list[dict[str, Any]]]:
         recs, self.records = self.records, []
@@ -150,10 +213,8 @@ class LocalSocketServer:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(msg, dict):
-                    self.hub.handle(msg)
-                    rank = msg.get("rank")
-                    if msg.get("t") == "beat" and isinstance(rank, int) \
-                            and self.hub.writers.get(rank) != writer.write:
+                    rank = self.hub.handle(msg)
+                    if rank is not None and self.hub.writers.get(rank) != writer.write:
                         self.hub.connected(rank, writer.write)
         except (ConnectionError, asyncio.LimitOverrunError, ValueError) as exc:
             self.log.warning("worker socket error", error=str(exc))

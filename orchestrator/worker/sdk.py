@@ -16,6 +16,7 @@ import contextlib
 import faulthandler
 import json
 import math
+import operator
 import os
 import select
 import signal
@@ -201,7 +202,7 @@ class Worker:
         step record. Only updates memory: the beat thread sends it. From the first call on,
         the script's own steps are the rank's steps (the preload hook's count stops)."""
         self.progress = "sdk"
-        self._record_step(step, metrics)
+        self._record_step(_step_number(step), metrics)
 
     def _record_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         now = self._clock()
@@ -386,6 +387,22 @@ class Worker:
                             self._sock.close()
                     self._sock = None
         return False
+
+
+def _step_number(step: Any) -> int:
+    """``step_done``'s step as the protocol carries it: an integer (a numpy one too) in
+    0..2**53. A float or a negative step raised here, in the script that passed it; sent on,
+    it made the node's heartbeats invalid and the node was declared lost."""
+    if isinstance(step, bool):
+        raise TypeError("step_done: step must be an int, not bool")
+    try:
+        n = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step_done: step must be an int, not {type(step).__name__}") \
+            from None
+    if not 0 <= n <= 1 << 53:
+        raise ValueError(f"step_done: step {n} is outside 0..2**53")
+    return n
 
 
 def _number(value: Any) -> float | None:
