@@ -86,6 +86,7 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._exit.set)
         await self.sock.start()
+        self.health.prepare()
         failure: RootTaskFailed | None = None
         async with self.client:
             roots = RootTasks({

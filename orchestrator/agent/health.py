@@ -20,7 +20,7 @@ from typing import Any
 from orchestrator import envcontract as ec
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.health.context import NodeContext
-from orchestrator.health.runner import run_node_checks
+from orchestrator.health.runner import ReadyChild, run_node_checks
 from orchestrator.logs import get_logger
 from orchestrator.protocol import Assignment, HealthReport
 
@@ -37,7 +37,15 @@ class HealthWork:
         self._new_port = new_port
         self._key: tuple[str, str] | None = None
         self._task: asyncio.Task | None = None
+        # The node stage's check process, started ahead of each order (``ReadyChild``).
+        self.ready = ReadyChild()
+        self._readying: asyncio.Task | None = None
         self.log = get_logger("orchestrator.agent.health").bind(node=node_id)
+
+    def prepare(self) -> None:
+        """Start the first check process ahead of the first order (the preflight)."""
+        if self._readying is None:
+            self._readying = asyncio.create_task(self.ready.refill(), name="health-ready")
 
     def order(self, a: Assignment) -> None:
         """Start the assignment's health order (a re-issued one that already ran is a no-op)."""
@@ -56,9 +64,11 @@ class HealthWork:
 
     async def close(self) -> None:
         self.cancel()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for task in (self._task, self._readying):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self.ready.close()
 
     async def _run(self, a: Assignment) -> None:
         h = a.health
@@ -66,7 +76,8 @@ class HealthWork:
         start = time.monotonic()
         if h.stage == "node":
             try:
-                results = await run_node_checks(NodeContext.model_validate(h.context))
+                results = await run_node_checks(NodeContext.model_validate(h.context),
+                                                ready=self.ready)
                 error = None
             except Exception as exc:  # noqa: BLE001 - reported, the supervisor decides
                 results, error = [], f"the checks could not run: {type(exc).__name__}: {exc}"

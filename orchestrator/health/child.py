@@ -52,8 +52,25 @@ def _emit(out: IO[str], obj: dict[str, Any]) -> None:
     out.flush()
 
 
+def _preload() -> None:
+    """Import every check's module (and fsspec, for the storage check) before the context
+    arrives: a child the agent started ahead has them ready when its order comes. No check
+    code runs, and no device is touched. A module that fails to import is the failure of
+    its checks when they run, not of this."""
+    for module in sorted({c.fn.partition(":")[0] for c in catalog.CHECKS if c.fn}
+                         | {"fsspec"}):
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001, S112 - reported by the check that needs it
+            continue
+
+
 def main() -> int:
-    ctx = NodeContext.model_validate_json(sys.stdin.read())
+    _preload()
+    raw = sys.stdin.read()
+    if not raw.strip():  # started ahead, and its agent went away before an order came
+        return 0
+    ctx = NodeContext.model_validate_json(raw)
     # The protocol gets its own copy of stdout; fd 1 then points at stderr, so whatever a
     # check or a library prints (even from C) cannot garble the result lines.
     out = os.fdopen(os.dup(1), "w")
