@@ -392,12 +392,9 @@ class MemoryTier:
                            config_hash=self.config_hash, rank=rank,
                            world_size=self.world_size, capacity=len(buf))
         if problem is None:
-            computed = None
-            if self._ahead is not None and copy.kind == "own" and rank == self.rank:
-                computed = self._ahead.digest(copy.slot, copy.manifest)
-            if computed is None:
-                computed = digest_of(buf, copy.manifest)
-            if computed != copy.manifest.digest:
+            ahead = self._ahead if copy.kind == "own" and rank == self.rank else None
+            digest = ahead.digest(copy.slot, copy.manifest) if ahead is not None else None
+            if (digest or digest_of(buf, copy.manifest)) != copy.manifest.digest:
                 problem = "digest mismatch (torn or corrupt bytes)"
         return (memoryview(buf), None) if problem is None else (None, problem)
 
