@@ -171,7 +171,8 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
 
     Order: ranks that stopped beating (a stopped or frozen process is the likeliest culprit
     of a collective hang), then the lowest step (the others wait for it), then the one idle
-    longest.
+    longest. Once one rank is past its timeout, a rank that stopped beating at the same step
+    or below is named with it, past its own timeout or not (``_silent_peers``).
     """
     hung = []
     training.observe(gen)
@@ -179,8 +180,35 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
         suspect = _check(rp, cfg, training, now)
         if suspect is not None:
             hung.append(suspect)
+    if hung:
+        hung.extend(_silent_peers(hung, gen, cfg, training, now))
     hung.sort(key=lambda s: (not s.silent, s.step if s.step is not None else -1, -s.idle_s))
     return hung
+
+
+def _silent_peers(hung: list[Suspect], gen: GenerationProgress, cfg: TimeoutsConfig,
+                  training: TrainingTimeout, now: float) -> list[Suspect]:
+    """Ranks not yet past their own timeout that stopped beating, at or below the lowest
+    step of ``hung``. A SIGSTOPped rank and its peer blocked in their next collective stop
+    at the same step, but the supervisor sees each rank's step when that rank's agent next
+    beats (0.5 s apart at most): when the peer's was seen first, the peer crossed the
+    timeout alone and was named as the hang, and the node replaced was the healthy one
+    (seen on a loaded CI host). A rank that stopped beating is the likelier culprit."""
+    named = {s.rank for s in hung}
+    steps = [s.step for s in hung if s.step is not None]
+    floor = min(steps) if steps else None
+    quiet = max(3 * cfg.heartbeat_interval_s, 1.0)
+    peers = []
+    for rp in gen.ranks.values():
+        if rp.rank in named or rp.finished or rp.progress_seen is None \
+                or rp.beat_received is None or now - rp.beat_received <= quiet:
+            continue
+        if floor is not None and (rp.step is None or rp.step > floor):
+            continue
+        peers.append(Suspect(rp.rank, rp.phase or "init", rp.step, now - rp.progress_seen,
+                             now - rp.beat_received, phase_timeout(cfg, rp.phase, training),
+                             silent=True))
+    return peers
 
 
 def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
