@@ -350,10 +350,16 @@ class Checkpointer:
         """End of training: commit the last save and wait (bounded) for its upload, so the
         remote tier holds the final checkpoint when the job completes."""
         self.wait()
-        if self.uploader is not None and \
-                not self.uploader.wait(timeout=self.cfg.final_upload_timeout_s):
+        if self.uploader is None:
+            return
+        if not self.uploader.wait(timeout=self.cfg.final_upload_timeout_s):
             self.log(f"uploads still running after {self.cfg.final_upload_timeout_s:.0f} s: "
                      "the remote tier lags the local one")
+        if self.last_committed is not None:
+            # Retention once more, now that the uploads are done: a step still uploading
+            # when the last one committed was protected then, and an older one beyond
+            # keep_last could stay with it (the local tier ended a job with 3 of 2).
+            self._prune_primary(self.last_committed)
 
     def close(self) -> None:
         """Finish the in-flight save and stop the threads (after ``finish``, or on an error:

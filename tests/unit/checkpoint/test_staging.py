@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint import layout
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.retry import retrying
 from trainer.checkpoint.staging import fits
@@ -165,3 +166,46 @@ def test_buffers_fit_a_state_of_their_own_shape_and_nothing_else(tree: Any) -> N
                 else t
         assert not fits(grow(tree), buffers)
     assert fits(wrapped, {"a": buffers})
+
+
+def test_a_job_ends_with_keep_last_local_checkpoints_though_uploads_lagged(
+        tmp_path: Path, pg: None) -> None:
+    """Steps still uploading when a later one commits are protected from local pruning
+    (the remote copy is read from them), so retention then keeps more than ``keep_last``.
+    The end of training prunes once more after the uploads: before, a job whose last
+    uploads lagged (a loaded CI host, moto slow to list) ended with 3 local copies of 2
+    and no ``checkpoint_pruned`` for the third."""
+    import threading
+
+    from trainer.checkpoint.upload import Uploader
+
+    events: list[tuple[str, dict]] = []
+    cfg = CheckpointConfig(url=str(tmp_path / "remote"), local_url=str(tmp_path / "local"),
+                           keep_last=2, keep_last_remote=10)
+    store = open_store(cfg, "job", str(tmp_path / "remote"), retrying(1, 0.01, 0.01))
+    def report(name: str, **d: Any) -> None:
+        events.append((name, d))
+
+    up = Uploader(store.primary, store.remote, keep_last=10, keep_every=None, attempts=1,
+                  backoff_s=0.01, backoff_max_s=0.01, report=report, log=lambda m: None)
+    gate = threading.Event()
+    real = up._upload
+    up._upload = lambda step: (gate.wait(30), real(step))  # type: ignore[method-assign]
+    t = Trainee(tmp_path / "unused")
+    ckpt = Checkpointer(cfg, store, rank=0, world_size=1, group=None, meta={"job": "job"},
+                        report=report, log=t.logs.append, uploader=up)
+    for step in (1, 2, 3):
+        t.step()
+        ckpt.save(step, t.state, 0)
+        ckpt.wait()
+    local = sorted(c.step for c in layout.list_checkpoints(store.primary.root,
+                                                           store.primary.fs) if c.committed)
+    assert local == [1, 2, 3]  # all three still uploading: protected
+    gate.set()
+    ckpt.finish()
+    local = sorted(c.step for c in layout.list_checkpoints(store.primary.root,
+                                                           store.primary.fs) if c.committed)
+    assert local == [2, 3]
+    pruned = [d for n, d in events if n == "checkpoint_pruned" and d["tier"] == "local"]
+    assert [d["steps"] for d in pruned] == [[1]]
+    ckpt.close()
