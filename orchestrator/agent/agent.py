@@ -169,7 +169,7 @@ class Agent:
             beat = self.hub.beats.get(r.rank)
             if beat is not None and beat.generation in (None, self.ranks.generation):
                 info.step, info.phase = beat.step, beat.phase
-                info.last_step_ts, info.beat_ts = beat.last_step_ts, beat.beat_ts
+                info.last_step_ts, info.beat_ts = beat.last_step_ts, beat.ts
                 info.step_interval_max = beat.interval_max
                 info.progress = beat.progress if beat.progress in ("sdk", "hook") else None
                 info.finished = beat.finished

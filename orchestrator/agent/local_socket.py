@@ -41,22 +41,6 @@ _MAX_PENDING_ORDERS = 16
 _MAX_SECONDS = 7 * 86400.0
 
 
-@dataclass
-class BeatState:
-    rank: int
-    pid: int | None = None
-    generation: int | None = None
-    step: int | None = None
-    phase: str | None = None
-    last_step_ts: float | None = None
-    interval_max: float | None = None
-    beat_ts: float | None = None
-    progress: str | None = None  # "sdk" or "hook": who counts this rank's steps
-    finished: bool = False  # the rank's last beat: it is tearing down
-    step_time: float | None = None  # mean of the rank's recent own step times
-    data_wait: float | None = None  # mean of its recent data waits (the ``data_s`` metric)
-
-
 def _seconds(value: Any) -> float | None:
     """A worker's summary figure if it is one (finite, in range), else None."""
     if isinstance(value, float | int) and not isinstance(value, bool) \
@@ -107,7 +91,9 @@ class LocalHub:
     on_event: Callable[[dict[str, Any]], None]
     # A rank's channel closed (its process may be dying): the agent may learn its exit now.
     on_closed: Callable[[int], None] = lambda rank: None
-    beats: dict[int, BeatState] = field(default_factory=dict)
+    # The newest valid beat of each rank, its records taken out (they wait in ``records``)
+    # and its pid and generation those of an earlier beat when this one leaves them out.
+    beats: dict[int, WorkerBeat] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     records_generation: int | None = None
     # Per rank: where to write its orders (the connection it last beat on), and orders
@@ -150,18 +136,16 @@ class LocalHub:
         except ValidationError as exc:
             self._drop(msg.get("rank"), _problem(exc))
             return None
-        st = self.beats.setdefault(beat.rank, BeatState(beat.rank))
-        if beat.pid is not None:
-            st.pid = beat.pid
-        if beat.generation is not None:
-            st.generation = beat.generation
-        st.step, st.phase = beat.step, beat.phase
-        st.last_step_ts, st.interval_max = beat.last_step_ts, beat.interval_max
-        st.beat_ts, st.progress, st.finished = beat.ts, beat.progress, beat.finished
-        st.step_time, st.data_wait = beat.step_time, beat.data_wait
+        prev = self.beats.get(beat.rank)
+        kept = beat.model_copy(update={
+            "records": [],
+            "pid": beat.pid if beat.pid is not None or prev is None else prev.pid,
+            "generation": beat.generation if beat.generation is not None or prev is None
+            else prev.generation})
+        self.beats[beat.rank] = kept
         if beat.records:
-            if self.records_generation != st.generation:
-                self.records, self.records_generation = [], st.generation
+            if self.records_generation != kept.generation:
+                self.records, self.records_generation = [], kept.generation
             self.records.extend(beat.records)
             del self.records[:-_MAX_PENDING_RECORDS]
         return beat.rank

@@ -27,7 +27,7 @@ def _heartbeat_of(hub: LocalHub, rank: int) -> Heartbeat:
     beat = hub.beats[rank]
     info = RankInfo(rank=rank, local_rank=0, pid=beat.pid, alive=True)
     info.step, info.phase = beat.step, beat.phase
-    info.last_step_ts, info.beat_ts = beat.last_step_ts, beat.beat_ts
+    info.last_step_ts, info.beat_ts = beat.last_step_ts, beat.ts
     info.step_interval_max = beat.interval_max
     info.progress, info.finished = beat.progress, beat.finished
     info.step_time, info.data_wait = beat.step_time, beat.data_wait
@@ -56,6 +56,20 @@ def test_a_summary_figure_that_is_not_a_measurement_is_left_out_not_the_beat() -
     assert hub.handle({**GOOD, "step_time": -1.0, "data_wait": "slow"}) == 3
     beat = hub.beats[3]
     assert beat.step == 7 and beat.step_time is None and beat.data_wait is None
+
+
+def test_a_beat_without_pid_or_generation_keeps_the_earlier_ones_and_records_wait_apart(
+) -> None:
+    hub = LocalHub(on_event=lambda msg: None)
+    assert hub.handle(GOOD) == 3
+    later = {k: v for k, v in GOOD.items() if k not in ("pid", "generation")}
+    assert hub.handle({**later, "step": 8, "records": [{"step": 8, "loss": 2.4}]}) == 3
+    beat = hub.beats[3]
+    assert (beat.pid, beat.generation, beat.step) == (1234, 2, 8)
+    assert beat.records == []  # relayed from ``records``, once, not from the kept beat
+    assert hub.take_records() == (2, [{"step": 7, "loss": 2.5}, {"step": 8, "loss": 2.4}])
+    assert hub.handle({**GOOD, "pid": 99, "generation": 3, "records": []}) == 3
+    assert (hub.beats[3].pid, hub.beats[3].generation) == (99, 3)
 
 
 def test_each_problem_is_said_once_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
