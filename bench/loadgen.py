@@ -45,6 +45,7 @@ from loadgen_agent import Net, SimNode, Stats
 from loadgen_http import Conn
 from loadgen_phases import phase_report
 
+from orchestrator import eventloop
 from orchestrator import events as ev
 from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.journal import read_journal
@@ -69,6 +70,13 @@ def start_py_spy(a: argparse.Namespace, sup: Supervised,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
 def supervisor_cmd(run: Path, a: argparse.Namespace) -> list[str]:
     sets = {
         "job.name": "scale", "job.entrypoint": "[simulated]",
@@ -81,6 +89,7 @@ def supervisor_cmd(run: Path, a: argparse.Namespace) -> list[str]:
         "timeouts.launch_s": a.phase_timeout_s, "restart.backoff_initial_s": 1,
         "restart.max_restarts": 20, "metrics.port": 0,
     }
+    sets.update(a.sets)  # --set KEY=VALUE: A/B runs
     cmd = [sys.executable, "-m", "orchestrator", "up", "--run-dir", str(run)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
@@ -461,6 +470,13 @@ def main() -> int:
     ap.add_argument("--py-spy-rate", type=int, default=100)
     ap.add_argument("--gc-default", action="store_true",
                     help="leave this generator's garbage collection at CPython's defaults")
+    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                    type=key_value,
+                    help="a supervisor setting over the generator's own (e.g. "
+                    "api.event_loop=asyncio)")
+    ap.add_argument("--generator-loop", choices=["uvloop", "asyncio"], default="uvloop",
+                    help="the generator's own event loop: 2,048 agents in one process lag "
+                    "it in a launch's burst, and its lag reads as heartbeat latency")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", default=None, help="where run dirs go (default: $TMPDIR)")
     ap.add_argument("--out", default=None, help="results/<name>.json (default: print only)")
@@ -480,7 +496,7 @@ def main() -> int:
     runs = []
     quiet_gc(a.gc_default)
     for i in range(a.runs):
-        runs.append(asyncio.run(one_run(a, i)))
+        runs.append(eventloop.run(one_run(a, i), a.generator_loop))
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "agent_errors"}),
               flush=True)
     report = {**header(a.device), "cpus": os.cpu_count(),
