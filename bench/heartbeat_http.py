@@ -3,11 +3,16 @@
 ``bench/heartbeat.py`` times the parse and the fold alone (~40 us); at 2,048 nodes most of a
 heartbeat's cost is the HTTP server around them. Here the real ``ApiServer`` of a real
 ``Supervisor`` (N nodes x 8 ranks registered, generation 1 launched) serves on loopback in a
-child process, under each ``--loop`` in turn, alternating ``--repeats`` times so a noisy
-neighbour hits both alike. A client with one keep-alive connection per node sends heartbeats
+child process, under each ``--loop`` in turn (``uvloop`` needs ``pip install uvloop``),
+alternating ``--repeats`` times so a noisy neighbour hits both alike. A client with one keep-alive connection per node sends heartbeats
 in rounds (each node's own credential, steps advancing) and reads the server's CPU time from
 /proc around them: the report is CPU per heartbeat (user + system), and the client-side
 latency, which on a shared 2-core VM is mostly the client's own.
+
+Sequential requests, one at a time: this measures the cost of one request, not a server
+under load. uvloop used ~8-20 % less CPU here, yet with the supervisor on uvloop under the
+2,048 x 8 load generator heartbeat p99 was 7x worse (``scale-2048x8-uvloop.json`` against
+``scale-2048x8-asyncio-ab.json``), so the supervisor stays on asyncio's loop.
 
     python bench/heartbeat_http.py --loop asyncio --loop uvloop --out heartbeat-http-cpu.json
 """
@@ -35,7 +40,6 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def serve(loop: str, nodes: int, report_fd: int) -> None:
     """The child: a supervisor with every node registered and generation 1 launched."""
-    from orchestrator import eventloop
     from orchestrator.config import load_config
     from orchestrator.protocol import RegisterRequest
     from orchestrator.rundir import RunDir
@@ -43,8 +47,7 @@ def serve(loop: str, nodes: int, report_fd: int) -> None:
     from orchestrator.supervisor.server import ApiServer
 
     cfg = load_config(None, [f"cluster.nodes={nodes}", f"cluster.procs_per_node={PPN}",
-                             "launcher.kind=kubernetes", "job.name=bench",
-                             f"api.event_loop={loop}"])
+                             "launcher.kind=kubernetes", "job.name=bench"])
     sup = Supervisor(cfg, RunDir(Path(tempfile.mkdtemp(prefix="hb-http-")) / "run"))
     for n in range(nodes):
         sup.intake.on_register(RegisterRequest(
@@ -60,7 +63,13 @@ def serve(loop: str, nodes: int, report_fd: int) -> None:
         os.write(report_fd, f"{port} {sup.token}\n".encode())
         await asyncio.Event().wait()
 
-    eventloop.run(main(), cfg.api.event_loop)  # type: ignore[arg-type]
+    factory = None
+    if loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
 
 
 def _request(secret: str, node: int, step: int) -> bytes:

@@ -45,7 +45,6 @@ from loadgen_agent import Net, SimNode, Stats
 from loadgen_http import Conn
 from loadgen_phases import phase_report
 
-from orchestrator import eventloop
 from orchestrator import events as ev
 from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.journal import read_journal
@@ -472,11 +471,8 @@ def main() -> int:
                     help="leave this generator's garbage collection at CPython's defaults")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
                     type=key_value,
-                    help="a supervisor setting over the generator's own (e.g. "
-                    "api.event_loop=asyncio)")
-    ap.add_argument("--generator-loop", choices=["uvloop", "asyncio"], default="uvloop",
-                    help="the generator's own event loop: 2,048 agents in one process lag "
-                    "it in a launch's burst, and its lag reads as heartbeat latency")
+                    help="a supervisor setting over the generator's own (A/B runs of one "
+                    "setting)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", default=None, help="where run dirs go (default: $TMPDIR)")
     ap.add_argument("--out", default=None, help="results/<name>.json (default: print only)")
@@ -496,7 +492,7 @@ def main() -> int:
     runs = []
     quiet_gc(a.gc_default)
     for i in range(a.runs):
-        runs.append(eventloop.run(one_run(a, i), a.generator_loop))
+        runs.append(asyncio.run(one_run(a, i)))
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "agent_errors"}),
               flush=True)
     report = {**header(a.device), "cpus": os.cpu_count(),

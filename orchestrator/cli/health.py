@@ -17,7 +17,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator import eventloop
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import CHECK_NAMES
@@ -50,14 +49,9 @@ def run_health(config: Path | None, overrides: list[str], level: Level | None,
                   "directory, or pass --run-dir DIR (or --set job.run_root=DIR)")
         return 2
     start = time.monotonic()
-    try:
-        with err.status(f"health checks ({chosen.value}) on "
-                        f"{cfg.cluster.nodes + cfg.cluster.spares} node(s) via "
-                        f"{cfg.launcher.kind}..."):
-            eventloop.run(_supervise(cfg, run, chosen), cfg.api.event_loop)
-    except eventloop.EventLoopUnavailable as exc:
-        err.print(f"[red]error[/red] {exc}")
-        return 2
+    with err.status(f"health checks ({chosen.value}) on {cfg.cluster.nodes + cfg.cluster.spares}"
+                    f" node(s) via {cfg.launcher.kind}..."):
+        asyncio.run(_supervise(cfg, run, chosen))
     results = [r for r in load_view(run).health]
     report = summarize(results, chosen, run, time.monotonic() - start)
     if json_out:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator import eventloop
 from orchestrator.cli.live import LogFormat, Verbosity
 from orchestrator.cli.liveness import api_ssl_context, api_urls, healthz, supervisor_info
 from orchestrator.cli.liveness import check as supervisor_liveness
@@ -190,11 +189,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
              nodes=cfg.cluster.nodes, procs_per_node=cfg.cluster.procs_per_node,
              spares=cfg.cluster.spares, launcher=cfg.launcher.kind)
     try:
-        state = eventloop.run(_supervise(cfg, run, resumed, log_format, verbosity),
-                              cfg.api.event_loop)
-    except eventloop.EventLoopUnavailable as exc:
-        console.print(f"[red]error[/red] {exc}")
-        return 2
+        state = asyncio.run(_supervise(cfg, run, resumed, log_format, verbosity))
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise

@@ -356,12 +356,6 @@ class ApiConfig(Section):
         description="Largest step interval a rank may report: the hang timeout calibrates "
         "from it, so a larger one is refused rather than believed.",
     )
-    event_loop: Literal["uvloop", "asyncio"] = Field(
-        "uvloop",
-        description="The supervisor's event loop: uvloop (libuv; less CPU per request, which "
-        "is what bounds heartbeat latency at thousands of nodes) or the standard library's "
-        "asyncio loop.",
-    )
     tls_cert: str | None = Field(
         None, description="PEM certificate: serve the API over HTTPS (with `tls_key`)."
     )
