@@ -10,9 +10,10 @@ in rounds (each node's own credential, steps advancing) and reads the server's C
 latency, which on a shared 2-core VM is mostly the client's own.
 
 Sequential requests, one at a time: this measures the cost of one request, not a server
-under load. uvloop used 4-9 % less CPU here (3 runs of 3-4 pairs), yet with the supervisor on uvloop under the
-2,048 x 8 load generator heartbeat p99 was 7x worse (``scale-2048x8-uvloop.json`` against
-``scale-2048x8-asyncio-ab.json``), so the supervisor stays on asyncio's loop.
+under load. uvloop used 4-9 % less CPU here (3 runs of 3-4 pairs), yet with the supervisor
+on uvloop under the 2,048 x 8 load generator heartbeat p99 was 7x worse
+(``scale-2048x8-uvloop.json`` against ``scale-2048x8-asyncio-ab.json``), so the supervisor
+stays on asyncio's loop.
 
     python bench/heartbeat_http.py --loop asyncio --loop uvloop --out heartbeat-http-cpu.json
 """
