@@ -281,15 +281,15 @@ class GenerationParts:
         done: set[str] = set()
         while clock.monotonic() < deadline:
             # Off the loop: at 2,048 x 8 a look is a listing of 16k names and a stat of each
-            # one not yet seen written, ~0.4 s of the loop's time per hang with pathlib on
-            # it (beats waited behind it); the thread's syscalls leave the loop running.
+            # one not yet seen written; on the loop that held it up to 35 ms at a time, 0.19 s
+            # a hang (bench/stack_scan.py), and the beats waited behind it.
             done |= await asyncio.to_thread(written_since, stacks, frozenset(done))
             if len(done) >= len(wanted) and done.issuperset(wanted):
                 break
             await clock.sleep(0.25)
         found = [os.path.join(stacks, name) for name in wanted if name in done]
         self.ctx.log.warning("hang: stacks dumped", files=len(found), of=len(wanted),
-                             dir=str(stacks))
+                             dir=stacks)
         return found
 
     async def stop(self, generation: int) -> None:
