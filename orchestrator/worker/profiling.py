@@ -78,8 +78,11 @@ def trace_dir(run_dir: str | Path, start_step: int, rank: int) -> Path:
 
 def warm_up() -> None:
     """Import what ``torch.profiler``'s start imports (it touches ``torch._inductor``, seconds
-    of imports the first time), here on the beat thread when an order arrives, instead of
-    in the training thread's step. Only where the process has imported torch already."""
+    of imports the first time). Called on the training thread at the first step end after
+    the order, ahead of the profile's first step, and never on the beat thread: torch's
+    modules imported from two threads at once fail with "partially initialized module"
+    (the training thread's first optimizer imports ``torch._dynamo``, which imports
+    ``torch._inductor.utils``). Only where the process has imported torch already."""
     if "torch" not in sys.modules:
         return
     with contextlib.suppress(Exception):
@@ -115,6 +118,7 @@ class ProfileSession:
         self.first_step: int | None = None
         self.stepped = 0
         self.done = False
+        self._warmed = False
 
     @staticmethod
     def _torch_profiler() -> Any:
@@ -130,6 +134,9 @@ class ProfileSession:
             return 0.0
         t0 = self._clock()
         try:
+            if not self._warmed:
+                self._warmed = True
+                warm_up()
             if self._prof is None:
                 if step + 1 >= self.order.start_step:
                     self._prof = self._make()

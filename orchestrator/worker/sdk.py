@@ -31,7 +31,7 @@ from typing import Any
 from orchestrator import chaos as chaos_
 from orchestrator import envcontract as ec
 from orchestrator.chaos import ChaosPlan
-from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession, warm_up
+from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
 # calibrated training timeout, which is a few step intervals, never judges a rank there.
@@ -365,7 +365,6 @@ class Worker:
                        else "no run directory to write the trace to")
             return
         self._profile = ProfileSession(order, self.ctx.rank, self.ctx.run_dir, self.event)
-        warm_up()  # here, not in the training step that starts the profiler
 
     def _send(self, msg: dict[str, Any]) -> bool:
         if not self._socket_path:
