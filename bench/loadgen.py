@@ -12,7 +12,8 @@ measured:
 
     registration_s / running_s     supervisor start -> every node registered / RUNNING
     heartbeat p50 / p99 / max      round trip of a beat as the agent saw it; drops = failed
-    supervisor cpu / rss           /proc of the supervisor's process, sampled every 0.5 s
+    supervisor cpu / rss           /proc of the supervisor's process, and of its heartbeat
+                                   process (api.heartbeat_process), sampled every 0.5 s
     per fault                      detection latency (vs its timeout), stop (STOPPING ->
                                    RECOVERING), relaunch (STOPPING -> RUNNING), relaunches
     invariants                     healthy nodes declared LOST (must be 0), relaunches per
@@ -109,6 +110,24 @@ def proc_cpu_rss(pid: int) -> tuple[float, float]:
     return (int(fields[11]) + int(fields[12])) / _TICK, float(rss_pages * _PAGE)
 
 
+def children_cpu_rss(pid: int) -> tuple[float, float]:
+    """CPU seconds and RSS of ``pid``'s children (the supervisor's heartbeat process, with
+    ``api.heartbeat_process``; the kubernetes launcher starts no other), summed."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except OSError:
+        return 0.0, 0.0
+    cpu = rss = 0.0
+    for kid in kids:
+        try:
+            c, r = proc_cpu_rss(kid)
+        except (OSError, ValueError, IndexError):
+            continue
+        cpu, rss = cpu + c, rss + r
+    return cpu, rss
+
+
 def cpu_list(text: str) -> set[int]:
     """`taskset -c` syntax: "0,1" or "2-15" or "0-1,4"."""
     cpus: set[int] = set()
@@ -138,6 +157,7 @@ class Supervised:
             os.sched_setaffinity(self.proc.pid, a.supervisor_cpus)
         self.started = time.time()
         self.samples: list[tuple[float, float, float]] = []  # wall, cpu s, rss bytes
+        self.kids: list[tuple[float, float]] = []  # its children's cpu s, rss bytes
         self.own: list[tuple[float, float]] = []  # the generator's own wall, cpu s
         self.load: list[float] = []  # the machine's 1-minute load average
         self.late_s: float | None = None  # the supervisor's own loop lateness (/metrics)
@@ -165,6 +185,7 @@ class Supervised:
                 return
             mine = os.times()
             self.samples.append((time.time(), cpu, rss))
+            self.kids.append(children_cpu_rss(self.proc.pid))
             self.own.append((time.time(), mine.user + mine.system))
             self.load.append(os.getloadavg()[0])
             await asyncio.sleep(0.5)
@@ -395,6 +416,13 @@ def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
         if wall else None,
         "supervisor_rss_mb_max": round(max(s[2] for s in samples) / 2**20, 1) if samples
         else None,
+        # With api.heartbeat_process: its share, and the two processes together.
+        "heartbeat_process_cpu_pct": round(100 * (sup.kids[-1][0] - sup.kids[0][0]) / wall, 1)
+        if wall else None,
+        "supervisor_total_cpu_pct": round(100 * (cpu_s + sup.kids[-1][0] - sup.kids[0][0])
+                                          / wall, 1) if wall and cpu_s is not None else None,
+        "supervisor_total_rss_mb_max": round(max(s[2] + k[1] for s, k in zip(
+            samples, sup.kids, strict=True)) / 2**20, 1) if samples else None,
         "journal_events": len(envs),
         "healthy_nodes_lost": len(ranks_lost),
         "healthy_lost_examples": [f"{n}: {r}" for _, n, r in ranks_lost[:5]],
@@ -416,7 +444,8 @@ def _ms(x: float | None) -> float | None:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("registration_s", "running_s", "heartbeat_p50_ms", "heartbeat_p99_ms",
             "heartbeat_max_ms", "heartbeat_drops", "supervisor_cpu_pct",
-            "supervisor_rss_mb_max", "healthy_nodes_lost", "loadgen_cpu_pct", "loadgen_late_s",
+            "heartbeat_process_cpu_pct", "supervisor_total_cpu_pct",
+            "supervisor_rss_mb_max", "supervisor_total_rss_mb_max", "healthy_nodes_lost", "loadgen_cpu_pct", "loadgen_late_s",
             "supervisor_late_s", "load_during_mean", "load_during_max")
     out: dict[str, Any] = {}
     for k in keys:

@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
+from urllib.parse import urlsplit, urlunsplit
 
 import loadgen_wire as wire
 from loadgen_http import Conn, Pool
@@ -68,9 +69,14 @@ class Net:
         if self._operator is not None:
             self._operator.close()
 
-    def pool(self, node_id: str) -> Pool:
-        """The connections of the agent of ``node_id`` (its own credential)."""
-        return Pool(self.url, wire.bearer(self.token, node_id))
+    def pool(self, node_id: str, port: int | None = None) -> Pool:
+        """The connections of the agent of ``node_id`` (its own credential), to the
+        supervisor's URL or to another port of its host (its heartbeat process)."""
+        url = self.url
+        if port is not None:
+            parts = urlsplit(url)
+            url = urlunsplit(parts._replace(netloc=f"{parts.hostname}:{port}"))
+        return Pool(url, wire.bearer(self.token, node_id))
 
     def conn(self, node_id: str) -> Conn:
         """A connection speaking as ``node_id`` (its own credential; "" is the operator)."""
@@ -112,6 +118,8 @@ class SimNode:
         self._done_signals: set[int] = set()
         self.stopped = asyncio.Event()
         self._pool = net.pool(self.node_id)
+        self._beat_pool: Pool | None = None  # to the heartbeat process, when there is one
+        self._beat_port: int | None = None
 
     # -- faults (called by the scenario) ------------------------------------------------------
     def hang(self, rank: int) -> None:
@@ -144,6 +152,8 @@ class SimNode:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._pool.close()
+            if self._beat_pool is not None:
+                self._beat_pool.close()
 
     async def _quiet(self) -> None:
         while self.silent:
@@ -171,7 +181,14 @@ class SimNode:
                 self.stats.error(f"register {self.node_id}: HTTP {status} {str(data)[:200]}")
                 await asyncio.sleep(1.0)
                 continue
-            self.beat_s = wire.parse_register_response(data).heartbeat_interval_s
+            resp = wire.parse_register_response(data)
+            self.beat_s = resp.heartbeat_interval_s
+            if resp.heartbeat_port != self._beat_port:
+                if self._beat_pool is not None:
+                    self._beat_pool.close()
+                self._beat_port = resp.heartbeat_port
+                self._beat_pool = None if resp.heartbeat_port is None else \
+                    self.net.pool(self.node_id, resp.heartbeat_port)
             self.stats.registrations += 1
             self.stats.registered_at.setdefault(self.node_id, time.time())
             self.registered.set()
@@ -231,9 +248,7 @@ class SimNode:
                                   self._records(now))
             t0 = time.monotonic()
             try:
-                status, data = await self._pool.request("POST", "/v1/heartbeat",
-                                                            self.beat_timeout_s,
-                                                            json_body=body)
+                status, data = await self._beat(body)
             except (OSError, TimeoutError) as exc:
                 self.stats.beats_failed += 1
                 self.stats.drop_sent.append(now)
@@ -247,6 +262,20 @@ class SimNode:
             elif status != 200:
                 self.stats.beats_failed += 1
                 self.stats.error(f"heartbeat {self.node_id}: HTTP {status} {str(data)[:200]}")
+
+    async def _beat(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """As the agent: to the heartbeat process if there is one, else (or if it cannot
+        be reached) to the supervisor's own port."""
+        if self._beat_pool is not None:
+            try:
+                return await self._beat_pool.request("POST", "/v1/heartbeat",
+                                                     self.beat_timeout_s, json_body=body)
+            except OSError as exc:  # refused, or lost: this beat goes to the supervisor
+                self.stats.error(f"heartbeat process {self.node_id}: {exc}")
+                self._beat_pool.close()
+                self._beat_pool = None
+        return await self._pool.request("POST", "/v1/heartbeat", self.beat_timeout_s,
+                                        json_body=body)
 
     async def _poll_loop(self) -> None:
         while not self.stopped.is_set():

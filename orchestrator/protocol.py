@@ -159,6 +159,9 @@ class RegisterResponse(Message):
     job: str
     config: dict[str, Any]
     heartbeat_interval_s: float
+    # Where to send heartbeats instead of the API's port (``api.heartbeat_process``): the
+    # same host the agent reached the supervisor at, this port; None: the API's own.
+    heartbeat_port: Port | None = None
 
 
 class Heartbeat(Inbound):

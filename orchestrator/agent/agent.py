@@ -64,6 +64,8 @@ class Agent:
         self._warm_task: asyncio.Task | None = None
         self.version = 0
         self.heartbeat_s = 0.5
+        self.beat_url: str | None = None  # the supervisor's heartbeat process, if it has one
+        self._beat_front_after = 0.0  # monotonic time before which beats skip it
         self.config_path = run_dir / "agents" / node_id / "config.json"
         self._events: list[dict[str, Any]] = []
         self._events_ready = asyncio.Event()
@@ -143,6 +145,9 @@ class Agent:
                 continue
             resp = RegisterResponse.model_validate(data)
             self.heartbeat_s = resp.heartbeat_interval_s
+            self.beat_url = None if resp.heartbeat_port is None else \
+                self.client.url_at_port(resp.heartbeat_port)
+            self._beat_front_after = 0.0
             self.node_config = NodeConfig.from_config(resp.config, self.node_id)
             self.config_path.parent.mkdir(parents=True, exist_ok=True)
             self.config_path.write_text(json.dumps(resp.config))
@@ -155,7 +160,8 @@ class Agent:
                     continue
             self._contact()
             self._registered.set()
-            self.log.info("registered", head=self.client.head_url)
+            self.log.info("registered", head=self.client.head_url,
+                          beats_to=self.beat_url or self.client.head_url)
 
     def _port(self) -> int | None:
         return None if self.ranks is not None and self.ranks.alive else self._free_port
@@ -204,9 +210,7 @@ class Agent:
                                error=str(exc)[:500])
                 continue
             try:
-                await self.client.request("POST", "/v1/heartbeat",
-                                          json=hb.model_dump(mode="json"),
-                                          timeout=self.node_config.beat_timeout_s)
+                await self._send_beat(hb.model_dump(mode="json"))
                 self._contact()
             except (Unreachable, SupervisorError) as exc:
                 # Keep the records for the next beat (the supervisor may be restarting).
@@ -214,6 +218,21 @@ class Agent:
                     self.hub.records[:0] = records
                 if isinstance(exc, SupervisorError):
                     self._forget_registration(exc)
+
+    async def _send_beat(self, body: dict[str, Any]) -> None:
+        """To the supervisor's heartbeat process when it has one; if that cannot be
+        reached, to the supervisor itself (and for the next 30 s too)."""
+        timeout = self.node_config.beat_timeout_s
+        if self.beat_url is not None and time.monotonic() >= self._beat_front_after:
+            try:
+                await self.client.request("POST", "/v1/heartbeat", json=body, timeout=timeout,
+                                          base=self.beat_url)
+                return
+            except Unreachable as exc:
+                self._beat_front_after = time.monotonic() + 30.0
+                self.log.warning("heartbeat process unreachable; beating to the supervisor's "
+                                 "own port for 30 s", url=self.beat_url, error=str(exc))
+        await self.client.request("POST", "/v1/heartbeat", json=body, timeout=timeout)
 
     async def _assignment_loop(self) -> None:
         while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import ssl
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from tenacity import (
@@ -69,13 +70,24 @@ class SupervisorClient:
         if self._session is not None:
             await self._session.close()
 
+    def url_at_port(self, port: int) -> str:
+        """The supervisor's URL with another port (its heartbeat process's): the same
+        scheme and host this agent reaches it at."""
+        parts = urlsplit(self.head_url)
+        host = parts.hostname or ""
+        if ":" in host:  # an IPv6 address
+            host = f"[{host}]"
+        return urlunsplit(parts._replace(netloc=f"{host}:{port}"))
+
     async def request(self, method: str, path: str, *, json: Any = None,
-                      params: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
-        """One attempt. Raises Unreachable or SupervisorError."""
+                      params: dict[str, Any] | None = None, timeout: float = 10.0,
+                      base: str | None = None) -> Any:
+        """One attempt (at ``base`` instead of the head URL, when given). Raises
+        Unreachable or SupervisorError."""
         assert self._session is not None
         try:
             async with self._session.request(
-                    method, self.head_url + path, json=json, params=params,
+                    method, (base or self.head_url) + path, json=json, params=params,
                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status >= 400:
                     text = await resp.text()

@@ -356,6 +356,17 @@ class ApiConfig(Section):
         description="Largest step interval a rank may report: the hang timeout calibrates "
         "from it, so a larger one is refused rather than believed.",
     )
+    heartbeat_process: bool = Field(
+        False,
+        description="Serve the agents' heartbeats from a second process (another core), "
+        "which answers them and passes them on in batches. For clusters of more than a few "
+        "hundred nodes: at 2,048 nodes the heartbeats' HTTP alone keeps one core busy.",
+    )
+    heartbeat_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port of the heartbeat process (0: any free one; it is told to agents "
+        "when they register). Agents that cannot reach it beat to the API's own port.",
+    )
     tls_cert: str | None = Field(
         None, description="PEM certificate: serve the API over HTTPS (with `tls_key`)."
     )

@@ -33,6 +33,8 @@ STABILITY_KINDS = ("grad_spike", "grad_spike_end", "growth", "persistent_spike",
                    "loss_spike", "param_norm_jump")
 
 # Step times from ~10 ms (tiny CPU models) to minutes (large models on slow links).
+# The doors a heartbeat comes in by (orchestrator_heartbeats_total{door}).
+HEARTBEAT_DOORS = ("api", "process")
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 # Checkpoint stalls: the target is <= 0.1 s; a synchronous save of a big model is minutes.
 _CKPT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -135,6 +137,13 @@ class SupervisorMetrics:
         self.straggler_events = Counter("orchestrator_straggler_events_total",
                                         "Stragglers named, cleared and excluded.",
                                         ["job", "action"], registry=r)
+        self.heartbeats = Counter("orchestrator_heartbeats_total",
+                                  "Heartbeats taken, by the door they came in: the API's "
+                                  "port, or the heartbeat process (api.heartbeat_process).",
+                                  ["job", "door"], registry=r)
+        self.heartbeat_process_up = Gauge("orchestrator_heartbeat_process_up",
+                                          "1 while the heartbeat process serves agents; 0 "
+                                          "when it is off or was lost.", j, registry=r)
         self._stragglers: dict[str, tuple[int, float]] = {}  # node -> (ranks, excess)
         self._booked: dict[str, float] = {}
         self._last_tokens: tuple[int, float, float] | None = None  # step, tokens, per step
@@ -155,6 +164,9 @@ class SupervisorMetrics:
             self.stability_events.labels(job, kind)
         for check in CHECK_NAMES:
             self.health_failures.labels(job, check)
+        for door in HEARTBEAT_DOORS:
+            self.heartbeats.labels(job, door)
+        self.heartbeat_process_up.labels(job).set(0)
         for metric in (self.late, self.productive, self.spikes, self.rollbacks, self.steps_done,
                        self.tokens_done, self.nonfinite):
             metric.labels(job)

@@ -11,13 +11,13 @@ time and node count are bounded by the ``api`` config section.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 
 from orchestrator.auth import Principal, authenticate, bearer_of
 from orchestrator.protocol import (
@@ -28,7 +28,9 @@ from orchestrator.protocol import (
     StopRequest,
 )
 from orchestrator.state import NodeState
-from orchestrator.supervisor import admission
+from orchestrator.supervisor import admission, beatwire
+from orchestrator.supervisor.beatlink import BeatLink
+from orchestrator.supervisor.httpbody import M, error, parse_body, read_body
 from orchestrator.supervisor.intake import UnknownNode
 from orchestrator.supervisor.profiles import ProfileRefused
 
@@ -90,6 +92,12 @@ class ApiServer:
         self.api = sup.cfg.api
         self.scheme = "https" if self.api.tls_cert else "http"
         self._runner: web.AppRunner | None = None
+        self.link: BeatLink | None = None  # the heartbeat process, with api.heartbeat_process
+        self._mirrored_launch: tuple[Any, beatwire.Launch | None] = (None, None)
+        job = sup.cfg.job.name
+        self._doors = {door: sup.metrics.heartbeats.labels(job, door)
+                       for door in ("api", "process")}
+        self._process_up = sup.metrics.heartbeat_process_up.labels(job)
         app = web.Application(client_max_size=int(self.api.max_body_mb * 2**20),
                               middlewares=[self._guard])
         app.router.add_get("/healthz", self.healthz)
@@ -119,11 +127,55 @@ class ApiServer:
                            backlog=4096)
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        if self.api.heartbeat_process:
+            self.link = BeatLink(self._front_setup(host), self._take_forwarded, self._mirror,
+                                 self.sup.log, on_down=lambda: self._process_up.set(0))
+            await self.link.start()
+            self._process_up.set(1)
         return sockets[0].getsockname()[1] if sockets else port
 
     async def stop(self) -> None:
+        if self.link is not None:
+            await self.link.stop()
+            self._process_up.set(0)
         if self._runner is not None:
             await self._runner.cleanup()
+
+    # -- the heartbeat process (beatlink / beatfront) --------------------------------------
+    def _front_setup(self, host: str | None) -> beatwire.Setup:
+        cfg = self.sup.cfg
+        return beatwire.Setup(
+            host=host or bind_host(cfg), port=self.api.heartbeat_port, token=self.sup.token,
+            max_body_mb=self.api.max_body_mb, max_json_depth=self.api.max_json_depth,
+            header_timeout_s=self.api.header_timeout_s, tls_cert=self.api.tls_cert,
+            tls_key=self.api.tls_key, **dataclasses.asdict(self._limits()),
+            ppn=cfg.cluster.procs_per_node)
+
+    def _mirror(self) -> tuple[dict[str, int], beatwire.Launch | None]:
+        nodes = {n: rec.assignment.version for n, rec in self.sup.intake.nodes.nodes.items()}
+        launches = self.sup.view.launches
+        if not launches:
+            return nodes, None
+        launch = launches[-1]
+        if self._mirrored_launch[0] is not launch:  # parsed once per launch, not per sync
+            self._mirrored_launch = (launch, beatwire.Launch(
+                generation=launch["generation"], node_ranks=launch.get("nodes", {})))
+        return nodes, self._mirrored_launch[1]
+
+    def _take_forwarded(self, node: str, raw: bytes) -> tuple[int, bytes]:
+        """The heartbeat route's answer to a beat the heartbeat process passed on or asked
+        about: parsed again here, checked against the registry, folded in."""
+        try:
+            hb = parse_body(raw, Heartbeat, self.api.max_json_depth)
+            status, body = self.take_heartbeat(node, hb, door="process")
+        except web.HTTPException as exc:
+            return exc.status, (exc.text or "").encode()
+        except UnknownNode:
+            status, body = 404, {"error": f"unknown node {node!r}; register first"}
+        except Exception as exc:  # as the guard: a bug must not take the control plane down
+            self.sup.log.exception("api handler failed", path="/v1/heartbeat (forwarded)")
+            status, body = 500, {"error": f"internal error: {type(exc).__name__}"}
+        return status, json.dumps(body).encode()
 
     # -- middleware ------------------------------------------------------------------------
     @web.middleware
@@ -132,10 +184,10 @@ class ApiServer:
             who = authenticate(self.sup.token, bearer_of(request.headers.get("Authorization",
                                                                              "")))
             if who is None:
-                return _error(401, "missing or wrong token")
+                return error(401, "missing or wrong token")
             wants_node = request.path in _NODE_ROUTES
             if wants_node != (who.kind == "node"):
-                return _error(403, "this route needs a node's credential" if wants_node
+                return error(403, "this route needs a node's credential" if wants_node
                               else "this route needs the job's operator token")
             request["principal"] = who
         try:
@@ -143,16 +195,16 @@ class ApiServer:
         except web.HTTPException:
             raise
         except UnknownNode as exc:
-            return _error(404, f"unknown node {exc.args[0]!r}; register first")
+            return error(404, f"unknown node {exc.args[0]!r}; register first")
         except Exception as exc:  # a bug must not take the control plane down
             # No traceback locals (the logging setup renders without them), no request data.
             self.sup.log.exception("api handler failed", path=request.path)
-            return _error(500, f"internal error: {type(exc).__name__}")
+            return error(500, f"internal error: {type(exc).__name__}")
 
     def _refuse(self, node_id: str, route: str, refusal: admission.Refusal) -> web.Response:
         # Journaled as ``message_rejected`` naming the node (intake bounds how many).
         self.sup.intake.reject(node_id, route, refusal.reason)
-        return _error(refusal.status, refusal.reason)
+        return error(refusal.status, refusal.reason)
 
     def _limits(self) -> admission.Limits:
         return admission.Limits(world_size=self.sup.cfg.cluster.world_size,
@@ -201,17 +253,31 @@ class ApiServer:
         if refusal is not None:
             return self._refuse(node, "register", refusal)
         resp = self.sup.intake.on_register(req)
+        if self.link is not None:
+            self.link.poke()  # the node's beats go to the heartbeat process next
+            if self.link.port is not None:
+                resp = resp.model_copy(update={"heartbeat_port": self.link.port})
         return web.json_response(resp.model_dump(mode="json"))
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         node = _node(request)
         hb = await self._parse(request, Heartbeat)
+        status, body = self.take_heartbeat(node, hb, door="api")
+        return web.json_response(body, status=status)
+
+    def take_heartbeat(self, node: str, hb: Heartbeat, door: str) -> tuple[int, dict[str, Any]]:
+        """The answer to a parsed heartbeat from ``node``, by whichever door it came in
+        (``api``: this server; ``process``: the heartbeat process). Raises UnknownNode (404)
+        for a node that is not registered."""
         if hb.node_id == node:
             self._registered(node)
         refusal = admission.check_heartbeat(node, hb, self._slice(node), self._limits())
         if refusal is not None:
-            return self._refuse(node, "heartbeat", refusal)
-        return web.json_response(self.sup.intake.on_heartbeat(hb))
+            self.sup.intake.reject(node, "heartbeat", refusal.reason)
+            return refusal.status, {"error": refusal.reason}
+        answer = self.sup.intake.on_heartbeat(hb)
+        self._doors[door].inc()
+        return 200, answer
 
     async def events(self, request: web.Request) -> web.Response:
         node = _node(request)
@@ -232,11 +298,11 @@ class ApiServer:
             after = int(q.get("after", "-1"))
             timeout = float(q.get("timeout", str(_POLL_MAX_S)))
         except ValueError:
-            return _error(400, "after and timeout must be numbers")
+            return error(400, "after and timeout must be numbers")
         if not node_id:
-            return _error(400, "node_id is required")
+            return error(400, "node_id is required")
         if not -1 <= after <= 1 << 53 or not 0.0 <= timeout <= 3600.0:
-            return _error(400, "after or timeout is out of range")
+            return error(400, "after or timeout is out of range")
         refusal = admission.check_node_id(node, node_id)
         if refusal is not None:
             return self._refuse(node, "assignment", refusal)
@@ -254,7 +320,7 @@ class ApiServer:
         try:
             event = await self.sup.profiles.order(req)
         except ProfileRefused as exc:
-            return _error(exc.status, exc.message)
+            return error(exc.status, exc.message)
         return web.json_response(event.fields())
 
     async def status(self, request: web.Request) -> web.Response:
@@ -264,39 +330,11 @@ class ApiServer:
                                               live_nodes=self.sup.intake.nodes,
                                               ledger=self.sup.books.refresh()))
 
-    async def _parse(self, request: web.Request, model: type[BaseModel]) -> Any:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise web.HTTPRequestEntityTooLarge(
-                max_size=request.client_max_size, actual_size=request.content_length or 0,
-                text=json.dumps({"error": "body is larger than api.max_body_mb"}),
-                content_type="application/json") from None
-        try:
-            return model.model_validate_json(
-                raw, context={"max_json_depth": self.api.max_json_depth})
-        except ValidationError as exc:
-            errors = exc.errors(include_url=False, include_input=False, include_context=False)
-            if errors and errors[0]["type"] == "json_invalid":
-                raise _bad(400, {"error": f"body is not valid JSON: {errors[0]['msg']}"}) \
-                    from None
-            if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
-                raise _bad(400, {"error": "body must be a JSON object"}) from None
-            problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"[:300]
-                        for e in errors][:20]
-            raise _bad(422, {"error": "invalid request", "problems": problems}) from None
+    async def _parse(self, request: web.Request, model: type[M]) -> M:
+        return parse_body(await read_body(request), model, self.api.max_json_depth)
 
 
 def _node(request: web.Request) -> str:
     who: Principal = request["principal"]
     assert who.node_id is not None  # the guard let only node credentials through
     return who.node_id
-
-
-def _bad(status: int, body: dict[str, Any]) -> web.HTTPException:
-    cls = web.HTTPBadRequest if status == 400 else web.HTTPUnprocessableEntity
-    return cls(text=json.dumps(body), content_type="application/json")
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)

@@ -14,6 +14,7 @@ from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.state import JobState, NodeState
 from orchestrator.supervisor.metrics import (
     FAILURE_CAUSES,
+    HEARTBEAT_DOORS,
     STABILITY_KINDS,
     STRAGGLER_ACTIONS,
     SupervisorMetrics,
@@ -61,6 +62,9 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_straggler_ranks": ("gauge", {}),
     "orchestrator_straggler_excess_seconds": ("gauge", {}),
     "orchestrator_straggler_events": ("counter", {"action": STRAGGLER_ACTIONS}),
+    # Heartbeats by door (the API's port, or the heartbeat process), and that process.
+    "orchestrator_heartbeats": ("counter", {"door": HEARTBEAT_DOORS}),
+    "orchestrator_heartbeat_process_up": ("gauge", {}),
 }
 
 
