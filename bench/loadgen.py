@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen_wire as wire
@@ -214,19 +216,29 @@ async def wait_state(net: Net, states: set[str], timeout: float, sup: Supervised
     return False
 
 
-async def supervisor_late(net: Net | Conn) -> float | None:
-    """orchestrator_supervisor_late_seconds_total: how late the supervisor's loop was."""
+async def supervisor_metrics(net: Net | Conn) -> dict[str, float]:
+    """The supervisor's /metrics, the samples this generator reads (by their line's name and
+    labels as written, job label left out)."""
     try:
         if isinstance(net, Conn):
             _, text = await net.request("GET", "/metrics", 10.0, raw=True)
         else:
             _, text = await net.call("", "GET", "/metrics", 10.0, raw=True)
     except (OSError, TimeoutError):
-        return None
-    for line in str(text).splitlines():
-        if line.startswith("orchestrator_supervisor_late_seconds_total{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(str(text)):
+        for sample in family.samples:
+            if sample.name == "orchestrator_supervisor_late_seconds_total":
+                out["late_s"] = sample.value
+            elif sample.name == "orchestrator_heartbeats_total":
+                out[f"heartbeats_{sample.labels['door']}"] = sample.value
+    return out
+
+
+async def supervisor_late(net: Net | Conn) -> float | None:
+    """orchestrator_supervisor_late_seconds_total: how late the supervisor's loop was."""
+    return (await supervisor_metrics(net)).get("late_s")
 
 
 async def sample_late(net: Net, sup: Supervised, period_s: float = 0.5) -> None:
@@ -280,7 +292,11 @@ async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
         if not fault["relaunched"]:
             break
     await asyncio.sleep(a.settle_s)
-    sup.late_s = await supervisor_late(net)
+    final = await supervisor_metrics(net)
+    sup.late_s = final.get("late_s")
+    # Beats the supervisor took by door: its API port, or its heartbeat process.
+    out["heartbeats_by_door"] = {k.removeprefix("heartbeats_"): int(v)
+                                 for k, v in final.items() if k.startswith("heartbeats_")}
     out["stop_ts"] = time.time()
     try:
         await net.call("", "POST", "/v1/stop", 10.0, json={"reason": "loadgen done"})

@@ -6,8 +6,9 @@ loss in turn, then stops the job as an operator. This test holds the invariants,
 timings (those are the benchmark's, in ``bench/results/scale-*.json``): every fault is
 detected as its own cause and relaunched exactly once, no healthy node is declared lost, a
 registration retry is no new event, a node's exits are journaled together, and every rank
-of a hung generation was asked for its stacks. It takes about 2 to 3 minutes on the
-2-core CI machine.
+of a hung generation was asked for its stacks. It runs twice, heartbeats to the API's own
+port and to the heartbeat process (``api.heartbeat_process``), 1 to 3 minutes each on
+the 2-core CI machine.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ ARGS = ["--nodes", str(NODES), "--procs", str(PROCS), "--spares", str(SPARES),
         "--run-timeout-s", "420"]
 
 
-def run_loadgen(tmp: Path, timeout: float = 540) -> dict[str, Any]:
+def run_loadgen(tmp: Path, *extra: str, timeout: float = 540) -> dict[str, Any]:
     out = tmp / "report.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "loadgen.py"), *ARGS,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "loadgen.py"), *ARGS, *extra,
                              "--workdir", str(tmp), "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -56,9 +57,23 @@ def run_loadgen(tmp: Path, timeout: float = 540) -> dict[str, Any]:
     return json.loads(out.read_text())["runs"][0]
 
 
-@pytest.fixture(scope="module")
-def scale_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_loadgen(tmp_path_factory.mktemp("scale"))
+@pytest.fixture(scope="module", params=["api", "process"])
+def scale_run(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Heartbeats to the API's port, or to the heartbeat process (api.heartbeat_process)."""
+    door = request.param
+    extra = ["--set", "api.heartbeat_process=true"] if door == "process" else []
+    run = run_loadgen(tmp_path_factory.mktemp(f"scale-{door}"), *extra)
+    run["door"] = door
+    return run
+
+
+def test_heartbeats_come_in_by_the_configured_door(scale_run: dict) -> None:
+    doors = scale_run["heartbeats_by_door"]
+    other = "api" if scale_run["door"] == "process" else "process"
+    # Every node beats for minutes; a beat that went to the other door is a fallback.
+    assert doors[scale_run["door"]] > NODES * 20, doors
+    assert doors[other] == 0, doors
 
 
 def test_every_fault_is_detected_as_itself_and_relaunched_once(scale_run: dict) -> None:
