@@ -112,22 +112,32 @@ def proc_cpu_rss(pid: int) -> tuple[float, float]:
     return (int(fields[11]) + int(fields[12])) / _TICK, float(rss_pages * _PAGE)
 
 
-def children_cpu_rss(pid: int) -> tuple[float, float]:
-    """CPU seconds and RSS of ``pid``'s children (the supervisor's heartbeat process, with
-    ``api.heartbeat_process``; the kubernetes launcher starts no other), summed."""
+def children_cpu_rss(pid: int) -> dict[int, tuple[float, float]]:
+    """CPU seconds and RSS of each of ``pid``'s children (the supervisor's heartbeat process,
+    with ``api.heartbeat_process``; the kubernetes launcher starts no other)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             kids = [int(k) for k in f.read().split()]
     except OSError:
-        return 0.0, 0.0
-    cpu = rss = 0.0
+        return {}
+    out = {}
     for kid in kids:
         try:
-            c, r = proc_cpu_rss(kid)
+            out[kid] = proc_cpu_rss(kid)
         except (OSError, ValueError, IndexError):
             continue
-        cpu, rss = cpu + c, rss + r
-    return cpu, rss
+    return out
+
+
+def children_cpu_s(kids: list[dict[int, tuple[float, float]]]) -> float:
+    """CPU seconds the children used between the first sample and the last they were seen
+    (a child that exited before the last sample keeps what it used)."""
+    first = kids[0] if kids else {}
+    last: dict[int, float] = {}
+    for sample in kids:
+        for pid, (cpu, _) in sample.items():
+            last[pid] = cpu
+    return sum(cpu - first.get(pid, (0.0, 0.0))[0] for pid, cpu in last.items())
 
 
 def cpu_list(text: str) -> set[int]:
@@ -159,7 +169,7 @@ class Supervised:
             os.sched_setaffinity(self.proc.pid, a.supervisor_cpus)
         self.started = time.time()
         self.samples: list[tuple[float, float, float]] = []  # wall, cpu s, rss bytes
-        self.kids: list[tuple[float, float]] = []  # its children's cpu s, rss bytes
+        self.kids: list[dict[int, tuple[float, float]]] = []  # its children: cpu s, rss
         self.own: list[tuple[float, float]] = []  # the generator's own wall, cpu s
         self.load: list[float] = []  # the machine's 1-minute load average
         self.late_s: float | None = None  # the supervisor's own loop lateness (/metrics)
@@ -433,12 +443,14 @@ def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
         "supervisor_rss_mb_max": round(max(s[2] for s in samples) / 2**20, 1) if samples
         else None,
         # With api.heartbeat_process: its share, and the two processes together.
-        "heartbeat_process_cpu_pct": round(100 * (sup.kids[-1][0] - sup.kids[0][0]) / wall, 1)
+        "heartbeat_process_cpu_pct": round(100 * children_cpu_s(sup.kids) / wall, 1)
         if wall else None,
-        "supervisor_total_cpu_pct": round(100 * (cpu_s + sup.kids[-1][0] - sup.kids[0][0])
-                                          / wall, 1) if wall and cpu_s is not None else None,
-        "supervisor_total_rss_mb_max": round(max(s[2] + k[1] for s, k in zip(
-            samples, sup.kids, strict=True)) / 2**20, 1) if samples else None,
+        "supervisor_total_cpu_pct": round(100 * (cpu_s + children_cpu_s(sup.kids)) / wall, 1)
+        if wall and cpu_s is not None else None,
+        "supervisor_total_rss_mb_max": round(max(s[2] + sum(r for _, r in k.values())
+                                                 for s, k in zip(samples, sup.kids,
+                                                                 strict=True)) / 2**20, 1)
+        if samples else None,
         "journal_events": len(envs),
         "healthy_nodes_lost": len(ranks_lost),
         "healthy_lost_examples": [f"{n}: {r}" for _, n, r in ranks_lost[:5]],

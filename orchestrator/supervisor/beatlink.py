@@ -27,22 +27,28 @@ from orchestrator.supervisor import beatwire
 SYNC_S = 0.1
 # The process must say where it listens within this.
 START_TIMEOUT_S = 60.0
-# Beats folded in before the loop is given back to others (a batch after a stall is large).
-_YIELD_EVERY = 64
+# Folding forwarded beats gives the loop back after this long (a batch after a stall is
+# large). A count (64 beats) starved the reader when the loop was busy launching: one turn per
+# 64 beats fell behind 2,048 beats a second, and the beats asked about waited ~1 s behind it.
+_FOLD_SLICE_S = 0.005
 
 # What the heartbeat route answers for a (node, body): HTTP status and JSON body.
 Take = Callable[[str, bytes], tuple[int, bytes]]
-# What the mirror should say: node -> assignment version, and the newest launch (or None).
-MirrorSource = Callable[[], tuple[dict[str, int], beatwire.Launch | None]]
+# What the mirror should say: node -> assignment version; and the newest launch (or None),
+# cheap to ask (the same object until the next launch).
+NodeSource = Callable[[], dict[str, int]]
+LaunchSource = Callable[[], beatwire.Launch | None]
 
 
 class BeatLink:
-    def __init__(self, setup: beatwire.Setup, take: Take, mirror: MirrorSource,
-                 log: Any, on_down: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, setup: beatwire.Setup, take: Take, nodes: NodeSource,
+                 launch: LaunchSource, log: Any,
+                 on_down: Callable[[], None] = lambda: None) -> None:
         self.setup = setup
         self.on_down = on_down
         self.take = take
-        self.mirror = mirror
+        self.nodes = nodes
+        self.launch = launch
         self.log = log
         self.port: int | None = None
         self.beats = 0  # passed on by the process and folded in
@@ -86,8 +92,17 @@ class BeatLink:
         return self.port
 
     def poke(self) -> None:
-        """Bring the mirror up to date now (a node registered)."""
+        """Bring the mirror up to date soon (a node registered)."""
         self._poke.set()
+
+    def sync_launch(self) -> None:
+        """Tell the process of a new launch now, before an agent can hear of it: called as
+        an assignment goes out, so beats of the new generation are not asked about."""
+        launch = self.launch()
+        if launch is not self._sent_launch and self._writer is not None:
+            self._writer.write(beatwire.model_frame(beatwire.MIRROR,
+                                                    beatwire.Mirror(launch=launch)))
+            self._sent_launch = launch
 
     async def stop(self) -> None:
         self._closing = True
@@ -109,7 +124,7 @@ class BeatLink:
 
     # -- the mirror ----------------------------------------------------------------------
     def _sync(self) -> None:
-        nodes, launch = self.mirror()
+        nodes, launch = self.nodes(), self.launch()
         sent = self._sent_nodes
         changed = {n: v for n, v in nodes.items() if sent.get(n) != v}
         new_launch = launch if launch is not self._sent_launch else None
@@ -148,9 +163,11 @@ class BeatLink:
             self._down(f"it sent a bad frame: {exc}")
 
     async def _fold(self, beats: list[tuple[str, bytes]]) -> None:
-        for i, (node, body) in enumerate(beats):
-            if i and not i % _YIELD_EVERY:
+        slice_end = time.perf_counter() + _FOLD_SLICE_S
+        for node, body in beats:
+            if time.perf_counter() > slice_end:
                 await asyncio.sleep(0)
+                slice_end = time.perf_counter() + _FOLD_SLICE_S
             status, answer = self.take(node, body)
             if status == 200:
                 self.beats += 1

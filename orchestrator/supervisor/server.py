@@ -128,8 +128,9 @@ class ApiServer:
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         if self.api.heartbeat_process:
-            self.link = BeatLink(self._front_setup(host), self._take_forwarded, self._mirror,
-                                 self.sup.log, on_down=lambda: self._process_up.set(0))
+            self.link = BeatLink(self._front_setup(host), self._take_forwarded,
+                                 self._mirror_nodes, self._mirror_launch, self.sup.log,
+                                 on_down=lambda: self._process_up.set(0))
             await self.link.start()
             self._process_up.set(1)
         return sockets[0].getsockname()[1] if sockets else port
@@ -151,16 +152,18 @@ class ApiServer:
             tls_key=self.api.tls_key, **dataclasses.asdict(self._limits()),
             ppn=cfg.cluster.procs_per_node)
 
-    def _mirror(self) -> tuple[dict[str, int], beatwire.Launch | None]:
-        nodes = {n: rec.assignment.version for n, rec in self.sup.intake.nodes.nodes.items()}
+    def _mirror_nodes(self) -> dict[str, int]:
+        return {n: rec.assignment.version for n, rec in self.sup.intake.nodes.nodes.items()}
+
+    def _mirror_launch(self) -> beatwire.Launch | None:
         launches = self.sup.view.launches
         if not launches:
-            return nodes, None
+            return None
         launch = launches[-1]
         if self._mirrored_launch[0] is not launch:  # parsed once per launch, not per sync
             self._mirrored_launch = (launch, beatwire.Launch(
                 generation=launch["generation"], node_ranks=launch.get("nodes", {})))
-        return nodes, self._mirrored_launch[1]
+        return self._mirrored_launch[1]
 
     def _take_forwarded(self, node: str, raw: bytes) -> tuple[int, bytes]:
         """The heartbeat route's answer to a beat the heartbeat process passed on or asked
@@ -307,6 +310,8 @@ class ApiServer:
         if refusal is not None:
             return self._refuse(node, "assignment", refusal)
         a = await self.sup.intake.poll_assignment(node_id, after, min(timeout, _POLL_MAX_S))
+        if a is not None and self.link is not None:
+            self.link.sync_launch()  # its beats of a new generation need not be asked about
         return web.json_response(a.model_dump(mode="json") if a else {})
 
     async def stop_job(self, request: web.Request) -> web.Response:

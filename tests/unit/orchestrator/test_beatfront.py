@@ -52,8 +52,11 @@ class Supervisor:
         self.launch: beatwire.Launch | None = None
         self.taken: list[tuple[str, dict[str, Any]]] = []
 
-    def mirror(self) -> tuple[dict[str, int], beatwire.Launch | None]:
-        return dict(self.nodes), self.launch
+    def mirror_nodes(self) -> dict[str, int]:
+        return dict(self.nodes)
+
+    def mirror_launch(self) -> beatwire.Launch | None:
+        return self.launch
 
     def take(self, node: str, raw: bytes) -> tuple[int, bytes]:
         body = json.loads(raw)
@@ -94,7 +97,7 @@ def test_beats_it_may_take_are_answered_and_passed_on_the_rest_asked() -> None:
     sup, log = Supervisor(), Log()
 
     async def scenario() -> None:
-        link = BeatLink(_setup(), sup.take, sup.mirror, log)
+        link = BeatLink(_setup(), sup.take, sup.mirror_nodes, sup.mirror_launch, log)
         port = await link.start()
         n0, n1 = node_credential(SECRET, "n0"), node_credential(SECRET, "n1")
         try:
@@ -123,9 +126,9 @@ def test_beats_it_may_take_are_answered_and_passed_on_the_rest_asked() -> None:
                 assert (await _post(s, port, n1, beat))[0] == 200
                 assert link.asked == 3
                 # Once the launch is mirrored, its own ranks pass, another node's are asked.
+                # (sent as the assignment goes out, ahead of the node's first beat of it)
                 sup.launch = beatwire.Launch(generation=1, node_ranks={"n0": 0, "n1": 1})
-                link.poke()
-                await _until(lambda: link._sent_launch is sup.launch)
+                link.sync_launch()
                 await asyncio.sleep(0.2)  # the frame is on its way to the process
                 assert (await _post(s, port, n1, beat))[0] == 200
                 await _until(lambda: link.beats == 21)
@@ -154,7 +157,8 @@ def test_a_lost_process_is_said_once_and_its_port_withdrawn() -> None:
     downs: list[int] = []
 
     async def scenario() -> None:
-        link = BeatLink(_setup(), sup.take, sup.mirror, log, on_down=lambda: downs.append(1))
+        link = BeatLink(_setup(), sup.take, sup.mirror_nodes, sup.mirror_launch, log,
+                        on_down=lambda: downs.append(1))
         port = await link.start()
         assert link._proc is not None
         os.kill(link._proc.pid, signal.SIGKILL)
@@ -175,7 +179,7 @@ def test_the_process_ends_when_the_supervisor_closes_its_end() -> None:
     sup, log = Supervisor(), Log()
 
     async def scenario() -> int | None:
-        link = BeatLink(_setup(), sup.take, sup.mirror, log)
+        link = BeatLink(_setup(), sup.take, sup.mirror_nodes, sup.mirror_launch, log)
         await link.start()
         proc = link._proc
         assert proc is not None and link._writer is not None
