@@ -241,7 +241,9 @@ class ApiServer:
 
     # -- routes ------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "state": self.sup.view.state.value})
+        view = self.sup.view
+        return web.json_response({"ok": True, "state": view.state.value,
+                                  "generation": view.generation})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.sup.metrics.registry)

@@ -30,6 +30,11 @@ def test_supervisor_and_agents_fit_together() -> None:
     assert volume["secret"]["secretName"] == secret_ref["name"]
     assert volume["secret"]["defaultMode"] == 0o400
     assert sup["Deployment"]["spec"]["strategy"]["type"] == "Recreate"
+    # The heartbeat process listens where the Service sends its second port.
+    beats = next(p for p in service["spec"]["ports"] if p["name"] == "heartbeats")
+    assert f"--set api.heartbeat_port={beats['targetPort']}" in sup_container["args"][0]
+    assert {"name": "heartbeats", "containerPort": beats["targetPort"]} in \
+        sup_container["ports"]
     selector = service["spec"]["selector"]
     labels = sup["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= labels.items()
