@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +203,17 @@ def deepspeed_state_dict(step_dir: Path) -> dict[str, Any]:
     for path in sorted(Path(step_dir).glob("*.pt")):
         walk(path.name + "/", torch.load(path, map_location="cpu", weights_only=False))
     return flat
+
+
+def api_call(url: str, token: str | None, body: bytes | None = None,
+             method: str = "POST") -> tuple[int, dict]:
+    """One request to the supervisor's API: (status, JSON body), an HTTP error's too."""
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")

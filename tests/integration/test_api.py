@@ -12,24 +12,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from jobs import api_call as _call
 from jobs import env, journal, kill_strays, states, wait_for, write_config
 
 from orchestrator.auth import node_credential
 
 pytestmark = pytest.mark.slow
-
-
-def _call(url: str, token: str | None, body: bytes | None = None,
-          method: str = "POST") -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
 
 
 def test_api_requires_the_token_and_rejects_garbage(tmp_path: Path, dataset_dir: Path) -> None:
