@@ -11,6 +11,7 @@ process on runs to COMPLETED through a crash, its agents beating to the process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -141,10 +142,8 @@ def test_the_heartbeat_process_answers_asks_and_passes_beats_on(tmp_path: Path,
         assert states(run)[-1] == "STOPPED"
     finally:
         kill_strays(run)
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the test stopped it already
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def test_a_local_job_beats_through_the_heartbeat_process(tmp_path: Path,

@@ -219,11 +219,18 @@ def test_asks_and_replies_round_trip(request_id: int, node: str, body: bytes,
 @settings(max_examples=1000, deadline=None)
 @given(st.binary(max_size=200))
 def test_bytes_that_are_no_frame_raise_bad_frame_only(data: bytes) -> None:
-    for parse in (beatwire.parse_beats, beatwire.parse_ask, beatwire.parse_reply):
+    """Any payload either raises BadFrame or parses into what encodes back to it."""
+    encoders = {
+        beatwire.parse_beats: lambda beats: beatwire.beats_frame(beats),
+        beatwire.parse_ask: lambda parsed: beatwire.ask_frame(*parsed),
+        beatwire.parse_reply: lambda parsed: beatwire.reply_frame(*parsed),
+    }
+    for parse, encode in encoders.items():
         try:
-            parse(data)
+            parsed = parse(data)
         except beatwire.BadFrame:
-            pass
+            continue
+        assert encode(parsed)[5:] == data, (parse.__name__, data)
 
 
 @settings(max_examples=300, deadline=None)
