@@ -2,7 +2,8 @@
 
 The supervisor runs as ``orchestrator up`` in a subprocess with ``launcher.kind: kubernetes``
 (it waits for agents to register on their own); ``--nodes`` simulated agents
-(``loadgen_agent.SimNode``) run in this one process, with one HTTP session. Once the job is
+(``loadgen_agent.SimNode``) run in ``--shards`` processes of their own (``loadgen_fleet``;
+one per 256 nodes by default), each with its own connections. Once the job is
 RUNNING the scenario injects each fault in ``--faults`` in turn (``crash``: a rank exits 1;
 ``hang``: a rank's step stops while its beats go on; ``node_lost``: a node goes silent, and
 comes back once the supervisor has stopped the generation), waits for the relaunch to be
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import contextlib
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen_wire as wire
 from common import header, write
-from loadgen_agent import Net, SimNode, Stats
+from loadgen_agent import Net, Stats, quiet_gc
+from loadgen_fleet import Fleet, NodeView
 from loadgen_http import Conn
 from loadgen_phases import phase_report
 
 from orchestrator import events as ev
-from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.journal import read_journal
 from orchestrator.state import NodeState
-from orchestrator.supervisor.deadlines import LoopLag
 
 FAULTS = ("crash", "hang", "node_lost")
 
@@ -170,7 +171,8 @@ class Supervised:
         self.started = time.time()
         self.samples: list[tuple[float, float, float]] = []  # wall, cpu s, rss bytes
         self.kids: list[dict[int, tuple[float, float]]] = []  # its children: cpu s, rss
-        self.own: list[tuple[float, float]] = []  # the generator's own wall, cpu s
+        self.own: list[tuple[float, float]] = []  # the generator's wall, cpu s (its shards')
+        self.fleet_pids: list[int] = []  # the processes of the simulated agents
         self.load: list[float] = []  # the machine's 1-minute load average
         self.late_s: float | None = None  # the supervisor's own loop lateness (/metrics)
         self.late: list[tuple[float, float]] = []  # (wall, late seconds so far), from /metrics
@@ -196,9 +198,13 @@ class Supervised:
             except (OSError, ValueError, IndexError):
                 return
             mine = os.times()
+            agents = 0.0
+            for pid in self.fleet_pids:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    agents += proc_cpu_rss(pid)[0]
             self.samples.append((time.time(), cpu, rss))
             self.kids.append(children_cpu_rss(self.proc.pid))
-            self.own.append((time.time(), mine.user + mine.system))
+            self.own.append((time.time(), mine.user + mine.system + agents))
             self.load.append(os.getloadavg()[0])
             await asyncio.sleep(0.5)
 
@@ -209,21 +215,39 @@ class Supervised:
         self.out.close()
 
 
-async def job_state(net: Net) -> str:
+async def job_health(net: Net) -> tuple[str, int | None]:
+    """The job's state and generation, from /healthz ("?" and None if it did not answer)."""
     try:
         status, data = await net.call("", "GET", "/healthz", 5.0)
     except (OSError, TimeoutError):
-        return "?"
-    return str(data.get("state")) if status == 200 and isinstance(data, dict) else "?"
+        return "?", None
+    if status != 200 or not isinstance(data, dict):
+        return "?", None
+    gen = data.get("generation")
+    return str(data.get("state")), gen if isinstance(gen, int) else None
 
 
-async def wait_state(net: Net, states: set[str], timeout: float, sup: Supervised) -> bool:
+async def job_state(net: Net) -> str:
+    return (await job_health(net))[0]
+
+
+async def wait_until(net: Net, sup: Supervised, timeout: float,
+                     done: Callable[[str, int | None], bool]) -> bool:
+    """Until ``done(state, generation)`` holds for what /healthz says (False at the timeout
+    or if the supervisor exited)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and sup.proc.poll() is None:
-        if await job_state(net) in states:
+        if done(*await job_health(net)):
             return True
         await asyncio.sleep(0.2)
     return False
+
+
+async def wait_state(net: Net, states: set[str], timeout: float, sup: Supervised) -> bool:
+    return await wait_until(net, sup, timeout, lambda state, _: state in states)
+
+
+_RECOVERY = {"STOPPING", "RECOVERING", "HEALTH_CHECK", "LAUNCHING", "FAILED"}
 
 
 async def supervisor_metrics(net: Net | Conn) -> dict[str, float]:
@@ -265,7 +289,11 @@ async def sample_late(net: Net, sup: Supervised, period_s: float = 0.5) -> None:
         conn.close()
 
 
-def pick_victim(nodes: list[SimNode], taken: set[str]) -> SimNode:
+def _newer(gen: int | None, than: int | None) -> bool:
+    return gen is not None and (than is None or gen > than)
+
+
+def pick_victim(nodes: list[NodeView], taken: set[str]) -> NodeView:
     """A live node of the running generation, not the one of rank 0, not used before."""
     live = [n for n in nodes if n.alive and n.rank_offset != 0 and n.node_id not in taken]
     live.sort(key=lambda n: n.rank_offset)
@@ -273,7 +301,7 @@ def pick_victim(nodes: list[SimNode], taken: set[str]) -> SimNode:
 
 
 async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
-                   nodes: list[SimNode]) -> dict[str, Any]:
+                   fleet: Fleet) -> dict[str, Any]:
     out: dict[str, Any] = {"faults": [], "reached_running": False}
     if not await wait_state(net, {"RUNNING"}, a.phase_timeout_s * 2, sup):
         return out
@@ -281,22 +309,23 @@ async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
     taken: set[str] = set()
     for kind in a.faults:
         await asyncio.sleep(a.settle_s)
-        victim = pick_victim(nodes, taken)
+        victim = pick_victim(await fleet.nodes(), taken)
         taken.add(victim.node_id)
-        fault: dict[str, Any] = {"kind": kind, "node_id": victim.node_id,
-                                 "rank": victim.rank_offset + 1, "ts": time.time()}
-        if kind == "crash":
-            victim.crash(victim.rank_offset + 1)
-        elif kind == "hang":
-            victim.hang(victim.rank_offset + 1)
-        else:
-            victim.go_silent()
-        left = await wait_state(net, {"STOPPING", "RECOVERING", "HEALTH_CHECK", "LAUNCHING",
-                                      "FAILED"}, a.phase_timeout_s, sup)
+        _, gen = await job_health(net)
+        rank = victim.rank_offset + 1
+        fault: dict[str, Any] = {"kind": kind, "node_id": victim.node_id, "rank": rank,
+                                 "ts": time.time()}
+        await fleet.fault(victim.node_id, "silent" if kind == "node_lost" else kind, rank)
+        # A newer generation counts as well as a recovery state: at a few hundred nodes a
+        # crash's whole recovery (STOPPING ... RUNNING) fits between two looks at /healthz.
+        left = await wait_until(net, sup, a.phase_timeout_s, lambda state, g, g0=gen:
+                                state in _RECOVERY or _newer(g, g0))
         if kind == "node_lost":
-            victim.heal()  # the partition heals: the node beats again, LOST -> REGISTERED
-        back = left and await wait_state(net, {"RUNNING", "FAILED"}, a.phase_timeout_s * 2,
-                                         sup)
+            # The partition heals: the node beats again, LOST -> REGISTERED.
+            await fleet.fault(victim.node_id, "heal", rank)
+        back = left and await wait_until(net, sup, a.phase_timeout_s * 2,
+                                         lambda state, g, g0=gen: state == "FAILED"
+                                         or (state == "RUNNING" and _newer(g, g0)))
         fault["relaunched"] = bool(back) and await job_state(net) == "RUNNING"
         out["faults"].append(fault)
         if not fault["relaunched"]:
@@ -315,54 +344,60 @@ async def scenario(a: argparse.Namespace, net: Net, sup: Supervised,
     return out
 
 
+def default_shards(nodes: int) -> int:
+    """One agent process per 256 nodes, 1 to 8: a shard's loop then has 256 beats a second
+    to send and read, and at most 2,048 assignments of a stop or launch to answer."""
+    return max(1, min(8, -(-nodes // 256)))
+
+
 async def one_run(a: argparse.Namespace, index: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"loadgen-{a.nodes}x{a.procs}-", dir=a.workdir))
     run = root / "run"
     token = secrets.token_hex(16)
     load_before = os.getloadavg()
     sup = Supervised(run, a, token)
-    stats = Stats()
     profiler: subprocess.Popen[bytes] | None = None
-    # How late this generator's own loop was: beats it sent late are the network's
-    # silence to the supervisor, not the supervisor's fault.
-    own_late: list[tuple[float, float]] = []  # (wall, seconds) of each late wake-up
-    own_lag = LoopLag(SYSTEM_CLOCK, on_late=lambda s: own_late.append((time.time(), s)))
-    lag_task = asyncio.create_task(own_lag.run())
+    fleet: Fleet | None = None
     try:
         net_url = await sup.wait_url(60.0)
-        async with Net(net_url, token, stats) as net:
+        async with Net(net_url, token, Stats()) as net:
+            fleet = await Fleet.start(a.shards, url=net_url, token=token,
+                                      nodes=a.nodes + a.spares, procs=a.procs,
+                                      step_s=a.step_s, stacks=run / "stacks",
+                                      beat_timeout_s=max(5.0, 3.0 * a.lost_s),
+                                      logs=root / "shards", gc_default=a.gc_default)
+            sup.fleet_pids = fleet.pids
             sampler = asyncio.create_task(sup.sample())
             late_sampler = asyncio.create_task(sample_late(net, sup))
             profiler = start_py_spy(a, sup, index)
-            nodes = [SimNode(net, i, a.procs, a.step_s, run / "stacks",
-                             beat_timeout_s=max(5.0, 3.0 * a.lost_s))
-                     for i in range(a.nodes + a.spares)]
-            agents = [asyncio.create_task(n.run()) for n in nodes]
-            opened = Conn.opened
             try:
-                result = await asyncio.wait_for(scenario(a, net, sup, nodes), a.run_timeout_s)
+                result = await asyncio.wait_for(scenario(a, net, sup, fleet), a.run_timeout_s)
             except TimeoutError:
                 result = {"faults": [], "timed_out": True}
-            # Each a TCP accept (and a TLS handshake where the API is https) on the
-            # supervisor's loop.
-            result["agent_connections_opened"] = Conn.opened - opened
             for _ in range(int(a.phase_timeout_s * 10)):
                 if sup.proc.poll() is not None:
                     break
                 await asyncio.sleep(0.1)
-            for n in nodes:
-                n.stopped.set()
-            await asyncio.gather(*agents, return_exceptions=True)
             sampler.cancel()
             late_sampler.cancel()
+            stats, own_late, opened = await fleet.finish()
+            # Each a TCP accept (and a TLS handshake where the API is https) on the
+            # supervisor's loop.
+            result["agent_connections_opened"] = opened
     finally:
-        lag_task.cancel()
+        if fleet is not None:
+            await fleet.close()
         sup.kill()
         if profiler is not None:
             profiler.wait(timeout=60)
     result.update(analyse(run, sup, stats, result, a, own_late))
-    result.update({"loadgen_late_s": round(own_lag.late_s, 2),
-                   "loadgen_late_worst_s": round(own_lag.worst_s, 3),
+    per_shard = [sum(s for _, s, j in own_late if j == shard) for shard in range(a.shards)]
+    result.update({"shards": a.shards,
+                   # How late the simulated agents' loops were (the worst shard): a beat
+                   # sent or read late is the network's delay, not the supervisor's.
+                   "loadgen_late_s": round(max(per_shard), 2),
+                   "loadgen_late_worst_s": round(max((s for _, s, _ in own_late),
+                                                     default=0.0), 3),
                    "supervisor_late_s": None if sup.late_s is None else round(sup.late_s, 2),
                    "load_during_max": round(max(sup.load), 2) if sup.load else None,
                    "load_during_mean": round(statistics.fmean(sup.load), 2) if sup.load
@@ -388,7 +423,7 @@ def lost_nodes(envs: list[Any]) -> list[tuple[float, str, str | None]]:
 
 def analyse(run: Path, sup: Supervised, stats: Stats, res: dict[str, Any],
             a: argparse.Namespace,
-            own_late: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+            own_late: list[tuple[float, float, int]] | None = None) -> dict[str, Any]:
     envs = list(read_journal(run / "events.jsonl"))
     start = next((e.ts for e in envs if isinstance(e.event, ev.SupervisorStarted)), sup.started)
     regs = [e.ts for e in envs if isinstance(e.event, ev.NodeRegistered)]
@@ -488,20 +523,6 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def quiet_gc(keep_default: bool) -> None:
-    """This generator's own garbage collection, as the supervisor's (``gcpolicy``): what
-    it holds now frozen out of collections and full collections rare. With CPython's
-    defaults its 2,048 simulated agents' state cost 15 full collections of 0.16 s on
-    average in a 1,024 x 8 run; a beat in flight during one was answered that much later
-    as measured here, the supervisor's p99 made worse by the generator's pauses."""
-    if keep_default:
-        return
-    gc.collect()
-    gc.freeze()
-    t0, t1, t2 = gc.get_threshold()
-    gc.set_threshold(t0, t1, max(t2, 1000))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -519,6 +540,9 @@ def main() -> int:
     ap.add_argument("--phase-timeout-s", type=float, default=120.0)
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--shards", type=int, default=None,
+                    help="processes the simulated agents run in (default: one per 256 "
+                    "nodes, 1 to 8)")
     ap.add_argument("--late-ms", type=float, default=100.0,
                     help="a beat answered later than this counts as late, by phase")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
@@ -542,6 +566,9 @@ def main() -> int:
     if a.loadgen_cpus:
         os.sched_setaffinity(0, a.loadgen_cpus)
     a.faults = [f for f in a.faults.split(",") if f]
+    a.shards = a.shards or default_shards(a.nodes + a.spares)
+    if a.shards < 1:
+        ap.error("--shards must be at least 1")
     unknown = set(a.faults) - set(FAULTS)
     if unknown:
         ap.error(f"unknown fault(s): {sorted(unknown)}")

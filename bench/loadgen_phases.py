@@ -59,13 +59,18 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def phase_report(envs: list[Any], stats: Any, late_samples: list[tuple[float, float]],
                  res: dict[str, Any], late_ms: float = 100.0,
-                 own_late: list[tuple[float, float]] | None = None) -> dict[str, Any]:
-    """``own_late``: when this generator's own loop woke late, and by how much (a beat in
-    flight then was answered late as measured here, whatever the supervisor did)."""
+                 own_late: list[tuple[float, float, int]] | None = None) -> dict[str, Any]:
+    """``own_late``: when the generator's loops woke late, by how much, and in which of
+    its agent processes (shard): a beat in flight then was answered late as measured here,
+    whatever the supervisor did. A phase's ``loadgen_late_s`` is the worst shard's."""
     own = own_late or []
 
     def own_between(t0: float, t1: float) -> float:
-        return round(sum(s for t, s in own if t0 <= t < t1), 2)
+        per: Counter[int] = Counter()
+        for t, s, shard in own:
+            if t0 <= t < t1:
+                per[shard] += s
+        return round(max(per.values(), default=0.0), 2)
 
     phases = _phases(envs, res)
     if not phases:

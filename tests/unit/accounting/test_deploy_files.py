@@ -149,7 +149,8 @@ def test_the_nine_alerts_and_the_goodput_recording_rule_exist() -> None:
                      "OrchestratorGradientSpikePersistent", "OrchestratorGradNormGrowth",
                      "OrchestratorGoodputLow", "OrchestratorRestartStorm",
                      "OrchestratorCheckpointStale", "OrchestratorSupervisorDown",
-                     "OrchestratorStraggler", "job:orchestrator_goodput:ratio_1h"}
+                     "OrchestratorStraggler", "OrchestratorHeartbeatProcessLost",
+                     "job:orchestrator_goodput:ratio_1h"}
 
 
 @needs_promtool
