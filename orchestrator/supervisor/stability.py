@@ -144,6 +144,11 @@ class StabilityHook:
         # A rollback's restore limit, for the next launch only (the launch consumes it).
         self.resume_max_step: int | None = None
         self.abandoned_records = 0  # records that arrived after a rollback was decided
+        # The newest generation rolled back: its records may still arrive after the rollback
+        # (an agent relays what its ranks sent before the stop with its next beat, which can
+        # land in RECOVERING, when nothing is pending any more).
+        self.rolled_back: int = max((int(r.get("generation") or 0)
+                                     for r in ctx.recorder.view.rollbacks), default=0)
 
     # -- the live stream -----------------------------------------------------------------------
     def on_records(self, generation: int, records: list[dict[str, Any]]) -> None:
@@ -153,8 +158,11 @@ class StabilityHook:
         being abandoned (the ranks train on until the stop lands, a heartbeat or two): they
         still feed the detectors (a restarted supervisor replays them too) but nothing they
         fire is journaled or acted on, so one divergence is one response (CI once journaled
-        a second spike of generation 1 at step 32, seven steps past the onset)."""
+        a second spike of generation 1 at step 32, seven steps past the onset). The same
+        holds once the rollback is carried out: an agent relays what its ranks sent before
+        the stop with its next beat, which CI saw arrive after ``roll_back``."""
         fired: list[dict[str, Any]] = []
+        abandoned = self.abandoned_records
         for raw in records:
             if "loss" not in raw:  # the preload hook's {step, ts}: a step, no figures to judge
                 continue
@@ -165,7 +173,8 @@ class StabilityHook:
                                      step=raw.get("step"), error=str(exc))
                 continue
             batch = raw.get("batch")
-            if self.pending is not None and self.pending.generation == generation:
+            if generation <= self.rolled_back or (
+                    self.pending is not None and self.pending.generation == generation):
                 self.abandoned_records += 1
                 continue
             for event in events:
@@ -179,6 +188,10 @@ class StabilityHook:
                     self._maybe_plan(event, generation, **onset)
             if raw.get("skipped"):
                 fired.append(self._report_skipped(raw, generation))
+        if self.abandoned_records > abandoned:
+            self.ctx.log.info("stability: records of a lineage being rolled back, not judged",
+                              generation=generation, records=self.abandoned_records - abandoned,
+                              rolled_back=generation <= self.rolled_back)
         self.ctx.metrics.on_stability(self.lineage.monitor.summary(), fired)
         if self.ctx.rundir.steps.exists():
             self._offset = self.ctx.rundir.steps.stat().st_size
@@ -258,6 +271,7 @@ class StabilityHook:
         plan, self.pending = self.pending, None
         if plan is None or plan.generation != failure.get("generation"):
             return None  # nothing pending, or a late plan from a generation already handled
+        self.rolled_back = max(self.rolled_back, plan.generation)
         from_step = failure.get("last_step")
         from trainer.checkpoint import layout
         from trainer.checkpoint.store import open_store

@@ -245,3 +245,28 @@ def test_records_after_a_pending_rollback_fire_nothing_more(sup: FakeSupervisor)
     assert [e["step"] for e in spikes] == [25]
     # 26 (the rest of the beat that decided it) and 27..32
     assert sup.stability.pending == plan and sup.stability.abandoned_records == 7
+
+
+def test_records_of_a_rolled_back_generation_arriving_late_fire_nothing(
+        tmp_path: Path) -> None:
+    # An agent relays what its ranks sent before the stop with its next beat: CI saw that
+    # beat land in RECOVERING, after the rollback was carried out and nothing was pending.
+    sup = FakeSupervisor(tmp_path)
+    make_checkpoints(sup.checkpoint_root, committed=[10, 20], debris=[])
+    sup.beat(1, records(1, 24) + records(25, 26, {25: 900.0}))
+    sup.stability.roll_back(sup.view, {"generation": 1, "last_step": 26})
+    assert sup.stability.pending is None
+    sup.beat(1, records(27, 31) + records(32, 32, {32: 5000.0}))
+    sup.journal.flush()
+    spikes = [e for e in read_events(sup.rundir.journal)
+              if e["kind"] == "stability" and e["event"] == "grad_spike"]
+    assert [(e["generation"], e["step"]) for e in spikes] == [(1, 25)]
+    assert sup.stability.pending is None and sup.stability.abandoned_records == 7
+    sup.journal.close()
+    # A supervisor restarted from that journal knows generation 1 was rolled back.
+    again = FakeSupervisor(tmp_path)
+    assert again.stability.rolled_back == 1
+    again.beat(1, records(33, 33, {33: 9000.0}))
+    assert again.stability.pending is None and again.stability.abandoned_records == 1
+    again.beat(2, records(21, 24) + records(25, 27, {27: 900.0}, shift=5))
+    assert again.stability.divergence(2)["onset_step"] == 27
