@@ -63,6 +63,7 @@ class ChaosPlan(_Plan):
     poison_batches: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
                                                                max_length=100_000)
     fail_at_start_rank: _Rank | None = None
+    fail_rejoin_rank: _Rank | None = None
     slow_checkpoint_s: _Seconds = 0.0
     slow_final_commit_s: _Seconds = 0.0
     slow_first_step_s: _Seconds = 0.0
@@ -117,6 +118,7 @@ class ChaosDriver:
         c = self.cfg
         return ChaosPlan(kills=self.pending(), poison_batches=list(c.poison_batches),
                          fail_at_start_rank=c.fail_at_start_rank,
+                         fail_rejoin_rank=c.fail_rejoin_rank,
                          slow_checkpoint_s=c.slow_checkpoint_s,
                          slow_final_commit_s=c.slow_final_commit_s,
                          slow_first_step_s=c.slow_first_step_s,
@@ -162,6 +164,15 @@ def arm_worker(worker: Any, plan: ChaosPlan, rank: int,
 
 
 START_FAILURE = "chaos: failing at start-up (chaos.fail_at_start_rank)"
+
+
+REJOIN_FAILURE = "chaos: failing the in-place rejoin (chaos.fail_rejoin_rank)"
+
+
+def fails_rejoin(plan: ChaosPlan, rank: int) -> bool:
+    """Whether this rank fails an in-job recovery midway (``fail_rejoin_rank``: its new
+    process groups are made, then it gives up), to show the fall back to a full restart."""
+    return plan.fail_rejoin_rank == rank
 
 
 def start_exit_code(plan: ChaosPlan, rank: int) -> int | None:

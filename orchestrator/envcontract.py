@@ -25,6 +25,8 @@ ORCH_LR_SCALE                  supervisor      learning-rate multiplier after a 
 ORCH_RESUME_MAX_STEP           supervisor      newest step a restore may use ('' = no limit)
 ORCH_COLLECTIVE_TIMEOUT_S      supervisor      collective timeout, just above the hang timeout
 ORCH_CHAOS                     supervisor      fault injection (JSON object)
+ORCH_IN_JOB_WAIT_S             supervisor      in-job recovery on: how long a rank whose
+                                               collective failed waits for the order
 ORCH_HEALTH_NET                agent           the network check's spec (JSON object)
 ORCH_HEALTH_OUT                agent           where the network check writes its report
 ORCH_WARM_HANDOFF_TS           warm spare      wall time a spare was handed its rank
@@ -60,6 +62,7 @@ LR_SCALE = "ORCH_LR_SCALE"
 RESUME_MAX_STEP = "ORCH_RESUME_MAX_STEP"
 COLLECTIVE_TIMEOUT_S = "ORCH_COLLECTIVE_TIMEOUT_S"
 CHAOS = "ORCH_CHAOS"
+IN_JOB_WAIT_S = "ORCH_IN_JOB_WAIT_S"
 HEALTH_NET = "ORCH_HEALTH_NET"
 HEALTH_OUT = "ORCH_HEALTH_OUT"
 WARM_HANDOFF_TS = "ORCH_WARM_HANDOFF_TS"
@@ -182,6 +185,9 @@ class GenerationEnv:
     resume_max_step: int | None = None  # 0 is a limit too (start afresh)
     collective_timeout_s: float | None = None
     chaos: ChaosPlan = field(default_factory=ChaosPlan)
+    # In-job recovery (``restart.in_job``): set, a rank whose collective fails waits this
+    # long for the agent's order to rejoin in place; None: it exits (a full restart).
+    in_job_wait_s: float | None = None
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -196,6 +202,8 @@ class GenerationEnv:
             env[CHECKPOINT_ROOT] = self.checkpoint_root
         if self.collective_timeout_s is not None:
             env[COLLECTIVE_TIMEOUT_S] = str(round(self.collective_timeout_s, 1))
+        if self.in_job_wait_s is not None:
+            env[IN_JOB_WAIT_S] = str(round(self.in_job_wait_s, 1))
         return env
 
     @classmethod
@@ -212,6 +220,7 @@ class GenerationEnv:
             resume_max_step=get_int(env, RESUME_MAX_STEP, None, minimum=0),
             collective_timeout_s=get_float(env, COLLECTIVE_TIMEOUT_S, None, positive=True),
             chaos=get_chaos(env),
+            in_job_wait_s=get_float(env, IN_JOB_WAIT_S, None, positive=True),
         )
 
 

@@ -187,6 +187,10 @@ class GenerationLaunched(Event):
     after_cause: Cause | None = None
     resume_step: Step | None = None
     assignments: dict[Name, JsonObject] = Field(default_factory=dict)
+    # In-job recovery: the previous generation's survivors join this one in place, and
+    # these ranks are replaced (by a warm standby where the node has one).
+    in_place: bool = False
+    replaced: list[Rank] = Field(default_factory=list, max_length=1 << 20)
 
     def fields(self) -> dict[str, Any]:
         """As ``Event.fields``, with the assignments as they are: validated into plain JSON
@@ -264,6 +268,11 @@ class Failure(Event):
     suspects: list[JsonObject] | None = Field(None, max_length=4096)
     stacks: list[Text] | None = Field(None, max_length=4096)
     error: Text | None = None
+    # How the job recovers from it: the survivors in place with a replacement for the
+    # failed rank(s) (``in_job``), or every rank restarted from the best tier (``restart``),
+    # and why that path (the first condition of in-job recovery that did not hold).
+    recovery_path: Literal["in_job", "restart"] | None = None
+    recovery_reason: Text | None = None
 
 
 class CheckpointCommitted(Event):
@@ -383,7 +392,7 @@ class WorkerNote(_OpenEvent):
     kind: Literal["resumed", "checkpoint_failed", "checkpoint_skipped", "checkpoint_fetched",
                   "checkpoint_upload_retry", "checkpoint_upload_failed",
                   "checkpoint_upload_skipped", "stability_skip", "startup",
-                  "params_digest", "worker_event"]
+                  "params_digest", "recovered", "recovery_failed", "worker_event"]
     generation: Gen | None = None
     rank: Rank | None = None
     node_id: Name | None = None

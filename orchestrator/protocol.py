@@ -115,6 +115,8 @@ class RankInfo(Inbound):
     # straggler detector compares them across ranks (``supervisor.stragglers``).
     step_time: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)] | None = None
     data_wait: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)] | None = None
+    # The rank can rejoin a new generation in place (it enabled in-job recovery).
+    recoverable: bool = False
 
 
 @with_config(ConfigDict(strict=True, allow_inf_nan=True))
@@ -336,6 +338,15 @@ class Assignment(Message):
     preload: list[str] = Field(default_factory=list)
     health: HealthOrder | None = None
     profiles: list[ProfileOrder] = Field(default_factory=list, max_length=64)
+    # In-job recovery: the node's live ranks of the previous generation join this one in
+    # place (a ``recover`` order on the local socket); the ranks in ``replace`` (and any
+    # that died meanwhile) are killed if alive and started anew, in a standby where the
+    # node keeps one.
+    in_place: bool = False
+    replace: list[int] = Field(default_factory=list, max_length=4096)
+    # A spare per local rank runs this ``module:function`` after its imports, becoming a
+    # warm standby (device context up, compile cache loaded) for in-job replacements.
+    standby_prepare: str | None = None
 
 
 __all__ = ["PHASES", "AgentEvent", "Assignment", "EventBatch", "FiniteFloat", "HealthOrder",

@@ -10,6 +10,10 @@ Lifecycle of one job::
                     v
                   FAILED
 
+An in-job recovery (one rank died or hung; the others stay alive and the failed rank is
+replaced in place) goes RECOVERING -> LAUNCHING: the placement is the last one, so there is
+no health check, and the next generation's ranks are the survivors plus the replacement.
+
 plus STOPPED, reached from any live state when the operator stops the job: an operator's
 stop is not a failure and must not page anybody as one (DESIGN's diagram has no such state;
 booking a requested stop as FAILED would be a lie in every dashboard). A STOPPED job is
@@ -55,7 +59,9 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
                                    JobState.STOPPED}),
     JobState.RUNNING: frozenset({JobState.COMPLETED, JobState.STOPPING}),
     JobState.STOPPING: frozenset({JobState.RECOVERING, JobState.FAILED, JobState.STOPPED}),
-    JobState.RECOVERING: frozenset({JobState.HEALTH_CHECK, JobState.FAILED, JobState.STOPPED}),
+    # LAUNCHING directly: an in-job recovery keeps the placement (no health check).
+    JobState.RECOVERING: frozenset({JobState.HEALTH_CHECK, JobState.LAUNCHING, JobState.FAILED,
+                                    JobState.STOPPED}),
     JobState.COMPLETED: frozenset(),
     JobState.FAILED: frozenset(),
     # Only by the operator's `up --resume`: the job goes on as a new segment.

@@ -178,6 +178,27 @@ class ProfileFailed(EventData):
     error: Text
 
 
+class Recovered(EventData):
+    """A rank joined the next generation in place (in-job recovery) and restored ``step``;
+    where its seconds went, each part from the end of the one before."""
+
+    step: Step  # the step every rank restored
+    abandoned_step: Step | None = None  # the step this rank had reached
+    from_generation: Annotated[int, Field(ge=0, le=1 << 31)]
+    tier: ShortStr
+    wait_s: Seconds  # from the failed collective to the agent's order
+    abort_s: Seconds  # aborting the old process groups, draining their threads
+    group_s: Seconds  # the new process groups
+    restore_s: Seconds  # choosing and loading the state
+    total_s: Seconds
+
+
+class RecoveryFailed(EventData):
+    """A rank could not recover in place (the supervisor falls back to a full restart)."""
+
+    error: Text
+
+
 class Custom(EventData):
     """Any other name: a user script's own event, a flat mapping of scalars."""
 
@@ -200,6 +221,8 @@ _MODELS: dict[str, type[EventData]] = {
     "stability_skip": StabilitySkip,
     "profile_written": ProfileWritten,
     "profile_failed": ProfileFailed,
+    "recovered": Recovered,
+    "recovery_failed": RecoveryFailed,
 }
 KNOWN_NAMES = frozenset(_MODELS)
 # Keys a data mapping may have at most (a user event is a handful of figures).

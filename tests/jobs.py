@@ -30,7 +30,9 @@ FAST = {
     "checkpoint": {"interval_steps": 10, "keep_last": 3},
     "timeouts": {"heartbeat_interval_s": 0.25, "node_lost_s": 5, "stop_grace_s": 3,
                  "register_s": 60, "launch_s": 60},
-    "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+    # The full restart: the fault tests of that path keep it; tests/integration/
+    # test_in_job.py turns in-job recovery (the product's default) on.
+    "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0, "in_job": False},
     "metrics": {"port": 0, "host": "127.0.0.1"},
     # As configs/local.yaml: the tiny model's natural grad-norm swings are not spikes.
     "stability": {"grad_spike": {"mode": "relative", "rel_margin": 1.0}},

@@ -15,12 +15,13 @@ from typing import Any
 
 from orchestrator import chaos
 from orchestrator.worker import Worker, WorkerContext
+from trainer import restore
 from trainer.backends import Backend, backend_for
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.retry import retrying
 from trainer.checkpoint.store import open_store
 from trainer.checkpoint.upload import Uploader
-from trainer.distributed import DistContext
+from trainer.distributed import DistContext, new_memory_group
 from trainer.loop import Parts
 from trainer.settings import WorkerSettings
 from trainer.state import GuardState, Progress
@@ -112,63 +113,18 @@ def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerCo
         if dctx.is_main:
             log(f"memory tier off: {why}")
         return None
-    import datetime
     from pathlib import Path
-
-    import torch.distributed as dist
 
     from orchestrator import envcontract as ec
     from trainer.checkpoint.memory import MemoryTier
-    from trainer.distributed import collective_timeout_s
 
-    group = None
-    if dctx.ckpt_group is not None:
-        # Its own gloo group: partner copies travel in the tier's commit thread, never
-        # beside the training thread's or the async save's collectives.
-        group = dist.new_group(backend="gloo",
-                               timeout=datetime.timedelta(seconds=collective_timeout_s()))
     return MemoryTier(Path(ctx.memory_dir), rank=dctx.rank, world_size=dctx.world_size,
                       procs_per_node=ec.get_int(os.environ, "LOCAL_WORLD_SIZE", 1,
                                                 minimum=1) or 1,
                       job=settings.job, config_hash=settings.config_hash,
                       generation=ctx.generation, partner=cfg.memory_partner,
-                      group=group, trust=lambda: checkpointer.store.trust,
+                      group=new_memory_group(dctx), trust=lambda: checkpointer.store.trust,
                       log=log, device_type=dctx.device.type, ahead=ahead)
-
-
-def plan_memory_restore(memory: Any, checkpointer: Checkpointer, dctx: DistContext,
-                        max_step: int | None, log: Callable[[str], None]) -> Any:
-    """Collective: the memory tier's restore plan against the durable tier's newest
-    committed step (rank 0 lists it; no durable file is read when memory wins)."""
-    import torch.distributed as dist
-
-    newest: list[Any] = [None]
-    if dctx.rank == 0:
-        newest = [checkpointer.store.newest_committed(max_step, log)]
-    if dctx.ckpt_group is not None:
-        dist.broadcast_object_list(newest, src=0, group=dctx.ckpt_group)
-    plan = memory.plan(newest[0], max_step)
-    plan.durable_step = newest[0]
-    return plan
-
-
-def load_from_memory(memory: Any, plan: Any, state: dict[str, Any], dctx: DistContext,
-                     ) -> str | None:
-    """Collective: load the planned copy on every rank; None when all did, else why not
-    (then the caller loads the durable tier, which overwrites every part of the state)."""
-    import torch.distributed as dist
-
-    problem = None
-    try:
-        memory.load(plan, state)
-    except (ValueError, RuntimeError) as exc:  # a layout that does not fit this model
-        problem = f"rank {dctx.rank}: {exc}"[:500]
-    if dctx.control_group is None:
-        return problem
-    problems: list[Any] = [None] * dctx.world_size
-    dist.all_gather_object(problems, problem, group=dctx.control_group)
-    bad = [p for p in problems if p]
-    return "; ".join(bad[:4]) if bad else None
 
 
 def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
@@ -201,12 +157,8 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     memory = build_memory_tier(settings, dctx, ctx, checkpointer, backend, log, ahead)
     mark("built_checkpointer")
     with worker.phase("loading"):
-        t0 = time.perf_counter()
-        plan = None if memory is None else \
-            plan_memory_restore(memory, checkpointer, dctx, ctx.resume_max_step, log)
-        choice = None if plan is not None and plan.use else \
-            checkpointer.choose(max_step=ctx.resume_max_step)
-        load_s = time.perf_counter() - t0
+        found = restore.choose(memory, checkpointer, dctx, ctx.resume_max_step, log)
+    choice = found.choice
     mark("chose_checkpoint")
     # Fine-tuning: the backend loads the frozen base (model.init_from_hf) while it builds.
     with worker.phase("loading") if cfg.finetune is not None else contextlib.nullcontext():
@@ -236,46 +188,14 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
         guard = SkipStepGuard(settings.stability)
         state["stability"] = GuardState(guard)
     with worker.phase("loading"):
-        t0 = time.perf_counter()
-        tier_note = None
-        if plan is not None and plan.use:
-            failed = load_from_memory(memory, plan, state, dctx)
-            if failed is None:
-                manifest: dict[str, Any] | None = {"step": plan.step, "tokens": progress.tokens,
-                                                   "config_hash": settings.config_hash}
-            else:
-                plan.use, plan.reason = False, f"loading the memory copy failed: {failed}"
-                choice = checkpointer.choose(max_step=ctx.resume_max_step)
-                manifest = checkpointer.load(state, choice)
-        else:
-            manifest = checkpointer.load(state, choice)
-        load_s += time.perf_counter() - t0
+        manifest = restore.load(found, memory, checkpointer, state, dctx, ctx.resume_max_step,
+                                progress, settings.config_hash)
     mark("loaded_state")
-    if memory is not None:
-        memory.invalidate_after(progress.step)  # newer copies: an abandoned future
-        # The slots are prepared after the first step (the loop), not here: page-locking
-        # them beside the first compiled step slowed it from 2.9-3.3 s to 5.5-5.8 s on an
-        # H200, and the first memory save comes memory_interval_steps later.
-        tier_note = _restore_tier(plan, choice, load_s)
-        if dctx.is_main:
-            worker.event("restore_tier", **tier_note)
-            log(f"restore: {tier_note['tier']} tier ({tier_note['reason']})")
-    if manifest is not None:
-        if manifest.get("config_hash") != settings.config_hash:
-            log(f"warning: checkpoint config hash {manifest.get('config_hash')} differs from "
-                f"this run's {settings.config_hash}")
-        log(f"resumed from step {progress.step} ({manifest.get('tokens')} tokens)")
-        if dctx.is_main:
-            restored = checkpointer.restored
-            from_memory = tier_note is not None and tier_note["tier"].startswith("memory")
-            # load_s: the books' checkpoint_restore time for this generation.
-            worker.event("resumed", step=progress.step,
-                         path=None if from_memory else checkpointer.restored_url,
-                         load_s=round(load_s, 6),
-                         tier=tier_note["tier"] if from_memory else
-                         restored.tier if restored else None,
-                         fetched_from=restored.fetched_from if restored and not from_memory
-                         else None)
+    # The memory tier's slots are prepared after the first step (the loop), not here:
+    # page-locking them beside the first compiled step slowed it from 2.9-3.3 s to 5.5-5.8 s
+    # on an H200, and the first memory save comes memory_interval_steps later.
+    restore.announce(found, manifest, checkpointer, dctx, worker, log, progress,
+                     settings.config_hash)
     # Fault injection wraps the parts the loop drives (the state above keeps the real ones).
     chaos_plan = ctx.chaos
     parts = Parts(cfg, dctx, chaos.wrap_stepper(stepper, chaos_plan, dctx.rank), scheduler,
@@ -284,18 +204,29 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                   worker, settings.checkpoint.interval_steps, log, guard)
     parts.memory = memory
     parts.memory_interval = settings.checkpoint.memory_interval_steps or 0
+    parts.rejoin = build_rejoin(settings, dctx, ctx, worker, backend, checkpointer, stepper,
+                                log)
+    if cfg.parallelism.compile and ctx.managed and dctx.local_rank == 0:
+        from trainer.standby import compile_cache_path
+
+        parts.compile_cache = compile_cache_path(os.environ)
     return parts
 
 
-def _restore_tier(plan: Any, choice: Any, load_s: float) -> dict[str, Any]:
-    """The ``restore_tier`` event: which tier this generation restored from, and why."""
-    if plan is not None and plan.use:
-        tier = "memory_partner" if plan.partner_ranks else "memory"
-        return {"tier": tier, "step": plan.step, "reason": plan.reason,
-                "durable_step": plan.durable_step, "partner_ranks": list(plan.partner_ranks),
-                "load_s": round(load_s, 6), "verify_s": round(plan.verify_s, 6)}
-    reason = plan.reason if plan is not None else "memory tier off"
-    return {"tier": "durable" if choice is not None else "none",
-            "step": choice.step if choice is not None else 0,
-            "reason": reason, "durable_step": choice.step if choice is not None else None,
-            "partner_ranks": [], "load_s": round(load_s, 6)}
+def build_rejoin(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
+                 worker: Worker, backend: Backend, checkpointer: Checkpointer, stepper: Any,
+                 log: Callable[[str], None]) -> Any:
+    """In-job recovery (``trainer.rejoin``) when the supervisor turned it on for this
+    generation and the strategy can rejoin in place; None otherwise (said once)."""
+    if ctx.in_job_wait_s is None or not ctx.managed or not dctx.distributed:
+        return None
+    why = backend.rejoin_unsupported(settings)
+    if why is not None:
+        if dctx.is_main:
+            log(f"in-job recovery off: {why}; a failure restarts every rank")
+        return None
+    from trainer.rejoin import Rejoin
+
+    rejoin = Rejoin(settings, backend, checkpointer, stepper, ctx.in_job_wait_s, log)
+    rejoin.enable(worker)
+    return rejoin

@@ -142,6 +142,17 @@ def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
     return DistContext(rank, local_rank, world, device, backend, ckpt_group, marks=marks)
 
 
+def new_memory_group(dctx: DistContext) -> dist.ProcessGroup | None:
+    """The memory tier's own gloo group (None without process groups): partner copies
+    travel in the tier's commit thread, never beside the training thread's or the async
+    save's collectives. Made right after ``init_distributed``'s groups, by a starting rank
+    and by a survivor rejoining in place alike (the group names must match)."""
+    if dctx.ckpt_group is None:
+        return None
+    return dist.new_group(backend="gloo",
+                          timeout=datetime.timedelta(seconds=collective_timeout_s()))
+
+
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.detach().clone()

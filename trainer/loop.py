@@ -41,6 +41,11 @@ class Parts:
     optimizer_timer: OptimizerTimer | None = None  # the breakdown's optimizer share
     memory: Any = None  # trainer.checkpoint.memory.MemoryTier when the memory tier is on
     memory_interval: int = 0
+    rejoin: Any = None  # trainer.rejoin.Rejoin when a failed peer is recovered in place
+    # Where this node keeps the job's compile artifacts (compiled runs; local rank 0 writes
+    # them once, after a few steps) for later ranks and warm standbys to load.
+    compile_cache: Any = None
+    steps_run: int = 0  # steps this process has trained (its compiled graphs are warm)
 
     @property
     def model(self) -> nn.Module:
@@ -83,21 +88,33 @@ def train_step(p: Parts) -> dict[str, Any]:
     return record
 
 
-def _stop_requested(p: Parts) -> bool:
-    """Whether any rank was asked for a checkpoint and a stop (an operator's stop reaches
-    the ranks a few milliseconds apart): every rank takes the same answer at the same step,
-    from a MAX over the loop's own gloo group, a 4-byte CPU all-reduce that never waits on
-    the accelerator."""
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank decides alike after a step: whether to stop (an operator's stop
+    reaches the ranks a few milliseconds apart), and the newest step every rank has
+    committed to the memory tier (None: not one yet), which no memory save may overwrite."""
+
+    stop: bool
+    memory_common: int | None
+
+
+def _agree(p: Parts) -> Agreement:
+    """One MAX all-reduce of two integers over the loop's own gloo group, a CPU collective
+    that never waits on the accelerator: the stop flag, and minus each rank's newest
+    committed memory step (the MAX of the negatives is the minimum)."""
     asked = bool(getattr(p.worker, "checkpoint_requested", False))
+    newest = p.memory.last_step if p.memory is not None else None
     group = getattr(p.dctx, "control_group", None)
     if group is None:
-        return asked
+        return Agreement(asked, newest)
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if asked else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if asked else 0, -(newest if newest is not None else -1)],
+                        dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    common = -int(flag[1].item())
+    return Agreement(bool(flag[0].item()), common if common >= 0 else None)
 
 
 def train(p: Parts) -> None:
@@ -110,55 +127,97 @@ def train(p: Parts) -> None:
 
 
 def _train(p: Parts) -> None:
-    cfg = p.cfg
     first = True
-    while p.progress.step < cfg.steps:
-        rec = train_step(p)
-        if first and p.startup is not None and p.dctx.is_main:
-            # Where a (re)start's seconds went: process start, imports, process group,
-            # build + restore, first step (the recovery benchmark reads this).
-            p.worker.event("startup", first_step_done=time.time(), **p.startup)
-        if first:  # the optimizer's state exists now: the saves' staging can be allocated
-            p.checkpointer.prepare_staging(p.checkpoint_state)
-            if p.memory is not None:
-                # And the memory tier's slots faulted in and page-locked, in the background,
-                # now: page-locking gigabytes holds the CUDA driver for seconds, and at the
-                # first memory save (a fresh run's step 50) it stalled a step past a
-                # calibrated 3.7 s timeout.
-                p.memory.prepare_saves(p.checkpoint_state)
-            # Page-locking holds the CUDA driver: steps run slow until it is done. The SDK
-            # keeps them out of the calibrated training timeout (a restarted generation's
-            # floor is already the low one) and reports the ``loading`` phase meanwhile.
-            p.worker.disturbed_while(lambda ck=p.checkpointer, mem=p.memory: ck.preparing() or (
-                mem is not None and mem.preparing()))
+    while p.progress.step < p.cfg.steps:
+        try:
+            stop = _one_step(p, first)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is recovered in place
+            if p.rejoin is None or not p.rejoin.recover(p, exc):
+                raise
+            continue
         first = False
-        step = p.progress.step
-        stop = _stop_requested(p)
-        if step % p.checkpoint_interval == 0 or step == cfg.steps or stop:
-            with p.worker.phase("checkpointing"):
-                rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
-                                                          p.progress.tokens)
-        if p.memory is not None and (step % p.memory_interval == 0 or stop):
-            with p.worker.phase("checkpointing"):
-                rec["mem_block_s"] = p.memory.save(step, p.progress.tokens,
-                                                   p.checkpoint_state)
-            # The books count both as the save's blocking time.
-            rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
-            if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds
-                p.worker.event("memory_tier", **p.memory.report())
-        p.checkpointer.poll()
-        p.worker.step_done(step, **rec)
-        if p.dctx.is_main and (step % cfg.log_every == 0 or step == cfg.steps or step == 1):
-            loss = rec["loss"]
-            p.log(f"step {step}/{cfg.steps} loss {loss:.4f} grad_norm {rec['grad_norm']:.3f} "
-                  f"lr {rec['lr']:.2e} tokens {rec['tokens']} "
-                  f"step_time {rec['step_time'] * 1000:.0f} ms"
-                  + (" (update skipped)" if rec.get("skipped") else "")
-                  + ("" if math.isfinite(loss) else " NON-FINITE LOSS"))
         if stop:
-            if p.dctx.is_main:
-                p.log(f"stopping after step {step}: the operator's stop asked for a checkpoint")
             break
+    _finish(p)
+
+
+def _one_step(p: Parts, first: bool) -> bool:
+    """Train one step, save when due, report it; True when the ranks agreed to stop."""
+    cfg = p.cfg
+    rec = train_step(p)
+    if first and p.startup is not None and p.dctx.is_main:
+        # Where a (re)start's seconds went: process start, imports, process group,
+        # build + restore, first step (the recovery benchmark reads this).
+        p.worker.event("startup", first_step_done=time.time(), **p.startup)
+    if first:  # the optimizer's state exists now: the saves' staging can be allocated
+        p.checkpointer.prepare_staging(p.checkpoint_state)
+        if p.memory is not None:
+            # And the memory tier's slots faulted in and page-locked, in the background,
+            # now: page-locking gigabytes holds the CUDA driver for seconds, and at the
+            # first memory save (a fresh run's step 50) it stalled a step past a
+            # calibrated 3.7 s timeout.
+            p.memory.prepare_saves(p.checkpoint_state)
+        # Page-locking holds the CUDA driver: steps run slow until it is done. The SDK
+        # keeps them out of the calibrated training timeout (a restarted generation's
+        # floor is already the low one) and reports the ``loading`` phase meanwhile.
+        p.worker.disturbed_while(lambda ck=p.checkpointer, mem=p.memory: ck.preparing() or (
+            mem is not None and mem.preparing()))
+    p.steps_run += 1
+    if p.compile_cache is not None and p.steps_run == _COMPILE_CACHE_AFTER:
+        _keep_compile_cache(p)
+    step = p.progress.step
+    agreed = _agree(p)
+    stop = agreed.stop
+    if step % p.checkpoint_interval == 0 or step == cfg.steps or stop:
+        with p.worker.phase("checkpointing"):
+            rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
+                                                      p.progress.tokens)
+    if p.memory is not None and (step % p.memory_interval == 0 or stop):
+        with p.worker.phase("checkpointing"):
+            rec["mem_block_s"] = p.memory.save(step, p.progress.tokens,
+                                               p.checkpoint_state,
+                                               keep=agreed.memory_common)
+        # The books count both as the save's blocking time.
+        rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
+        if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds
+            p.worker.event("memory_tier", **p.memory.report())
+    p.checkpointer.poll()
+    p.worker.step_done(step, **rec)
+    if p.dctx.is_main and (step % cfg.log_every == 0 or step == cfg.steps or step == 1):
+        loss = rec["loss"]
+        p.log(f"step {step}/{cfg.steps} loss {loss:.4f} grad_norm {rec['grad_norm']:.3f} "
+              f"lr {rec['lr']:.2e} tokens {rec['tokens']} "
+              f"step_time {rec['step_time'] * 1000:.0f} ms"
+              + (" (update skipped)" if rec.get("skipped") else "")
+              + ("" if math.isfinite(loss) else " NON-FINITE LOSS"))
+    if stop and p.dctx.is_main:
+        p.log(f"stopping after step {step}: the operator's stop asked for a checkpoint")
+    return stop
+
+
+# Steps after which every graph of the step is compiled (the first step compiles forward and
+# backward; the optimizer's, where compiled, the next): the cache is written then.
+_COMPILE_CACHE_AFTER = 3
+
+
+def _keep_compile_cache(p: Parts) -> None:
+    """Write the compile artifacts once per job and node (a restarted rank finds them)."""
+    if p.compile_cache.exists():
+        return
+    from trainer.standby import save_compile_cache
+
+    t0 = time.perf_counter()
+    try:
+        size = save_compile_cache(p.compile_cache)
+    except (OSError, RuntimeError) as exc:  # an optimisation: never a reason to stop
+        p.log(f"compile cache not written: {type(exc).__name__}: {exc}")
+        return
+    if size:
+        p.log(f"compile cache: {size / 2**20:.1f} MiB written to {p.compile_cache} in "
+              f"{time.perf_counter() - t0:.2f} s")
+
+
+def _finish(p: Parts) -> None:
     # Past the last step nothing returns to ``training``: the calibrated training timeout is
     # a few step intervals, and what follows has no steps. The last save and its upload
     # (and the memory tier's last commit) wait in ``checkpointing``; the digest, closing and

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_settings(args.config or ctx.config_path, job=ctx.job if ctx.managed else None,
                              checkpoint_root=ctx.checkpoint_root)
+    if settings.trainer.parallelism.compile and ctx.managed:
+        load_compile_cache(startup)
     ahead = digest_ahead(settings, ctx)  # overlaps the process groups' set-up
     dctx = init_distributed(settings.trainer, marks=startup)
     startup["dist_ready"] = time.time()
@@ -92,6 +94,23 @@ def main(argv: list[str] | None = None) -> int:
         teardown(dctx if trained else None)
         ow.shutdown()
     return 0
+
+
+def load_compile_cache(startup: dict) -> None:
+    """The job's compile artifacts, unless this process's warm standby loaded them."""
+    import os
+
+    from trainer.standby import PREPARED, compile_cache_path, load_compile_cache
+
+    if "compile_cache" in PREPARED:
+        return
+    path = compile_cache_path(os.environ)
+    if path is not None and path.is_file():
+        try:
+            load_compile_cache(path)
+        except (OSError, RuntimeError, ValueError):  # stale or torn: compile afresh
+            return
+        startup["compile_cache_loaded"] = time.time()
 
 
 if __name__ == "__main__":

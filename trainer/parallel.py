@@ -131,3 +131,73 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
 
 def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
+
+
+def fsdp_param_groups(model: nn.Module) -> list:
+    """Every FSDP2 parameter group under ``model`` (none for a model FSDP2 did not shard)."""
+    groups = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        groups.extend(getattr(get_state(), "_fsdp_param_groups", []))
+    return groups
+
+
+def rebind_process_groups(model: nn.Module) -> int:
+    """Point FSDP2's cached process groups at the current ones, after the process groups
+    were made anew in this process (an in-job recovery): a mesh keeps group names, which
+    resolve to the new groups, but each parameter group holds the group objects it
+    resolved at sharding time. Returns how many mesh infos were rebound."""
+    seen: dict[int, object] = {}
+    for group in fsdp_param_groups(model):
+        for info in (group.mesh_info, group.post_forward_mesh_info):
+            if info is not None:
+                seen[id(info)] = info
+    for info in seen.values():
+        if getattr(info, "shard_mesh_dim", None) is not None:
+            info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+            if getattr(info, "reduce_scatter_process_group", None) is not None:
+                info.reduce_scatter_process_group = info.shard_process_group
+        if getattr(info, "replicate_mesh_dim", None) is not None:
+            info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
+    return len(seen)
+
+
+def reset_iteration(model: nn.Module) -> None:
+    """Forget a step that an exception cut short inside FSDP2's forward or backward: its
+    per-iteration state is reset and every parameter is sharded again
+    (``FSDPModule.reset_iter_state``, torch >= 2.12; on older releases the same fields by
+    hand). The model's gradients are dropped."""
+    reset = getattr(model, "reset_iter_state", None)
+    if callable(reset):
+        reset()
+    else:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        for module in model.modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            state = get_state()
+            state._training_state = TrainingState.IDLE
+            ctx = getattr(state, "_state_ctx", None)
+            if ctx is not None:
+                ctx.iter_forward_root = None
+                ctx.post_backward_final_callback_queued = False
+            comm = getattr(state, "_comm_ctx", None)
+            if comm is not None:
+                comm.all_gather_state = None
+                for name in ("reduce_scatter_states", "post_forward_order"):
+                    if isinstance(getattr(comm, name, None), list):
+                        getattr(comm, name).clear()
+                if hasattr(comm, "reduce_scatter_state"):
+                    comm.reduce_scatter_state = None
+            for group in getattr(state, "_fsdp_param_groups", []):
+                group._training_state = TrainingState.IDLE
+                group._all_gather_result = None
+                if hasattr(group, "_post_forward_indices"):
+                    group._post_forward_indices.clear()
+                group._to_sharded()
+    for param in model.parameters():
+        param.grad = None

@@ -27,7 +27,7 @@ from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.agent.tasks import RootTaskFailed, RootTasks
-from orchestrator.agent.warm import WarmPool
+from orchestrator.agent.warm import SpareKind, WarmPool
 from orchestrator.logs import get_logger
 from orchestrator.protocol import (
     Assignment,
@@ -163,8 +163,17 @@ class Agent:
             self.log.info("registered", head=self.client.head_url,
                           beats_to=self.beat_url or self.client.head_url)
 
+    def _next_port(self, in_use: int | None) -> None:
+        """A rendezvous port for the next generation other than ``in_use`` (this one's):
+        an in-job recovery's new process groups need a store of their own while the old
+        one may still be open."""
+        for _ in range(8):
+            self._free_port = self.node_config.free_port()
+            if self._free_port != in_use:
+                return
+
     def _port(self) -> int | None:
-        return None if self.ranks is not None and self.ranks.alive else self._free_port
+        return self._free_port
 
     def _rank_infos(self) -> list[RankInfo]:
         if self.ranks is None:
@@ -179,6 +188,7 @@ class Agent:
                 info.step_interval_max = beat.interval_max
                 info.progress = beat.progress if beat.progress in ("sdk", "hook") else None
                 info.finished = beat.finished
+                info.recoverable = beat.recoverable
                 info.step_time, info.data_wait = beat.step_time, beat.data_wait
             infos.append(info)
         return infos
@@ -274,7 +284,10 @@ class Agent:
             self.health.order(a)
             return
         self.health.cancel()
-        if a.action == "run" and a.generation != current:
+        if a.action == "run" and a.generation != current and a.in_place and \
+                self.ranks is not None and self.ranks.alive:
+            await self._recover_in_place(a)
+        elif a.action == "run" and a.generation != current:
             await self._stop_ranks(report=False)
             await self._start_ranks(a)
         elif a.action == "stop":
@@ -327,11 +340,15 @@ class Agent:
         self._free_port = self.node_config.free_port()
         return self._free_port
 
-    def _memory_env(self, a: Assignment) -> dict[str, str]:
-        """Size this node's memory-tier slots for ``a``'s ranks; the ranks' variable."""
+    def _memory_env(self, a: Assignment, provision: bool = True) -> dict[str, str]:
+        """Size this node's memory-tier slots for ``a``'s ranks; the ranks' variable.
+        Without ``provision``, the slots made for the running ranks (an in-job recovery
+        keeps them: they hold the state it rolls back to)."""
         nc = self.node_config
         if nc.memory_root is None or a.nproc <= 0:
             return {}
+        if not provision:
+            return ec.memory_env(str(self.memory.path)) if self.memory is not None else {}
         if self.memory is None:
             self.memory = NodeMemory(nc.memory_root, self.run_dir, self.node_id)
         try:
@@ -353,27 +370,74 @@ class Agent:
         self.ranks = RankSet(a, env, self.run_dir / "logs", self._on_rank_exit,
                              RankSetup(run_dir=self.run_dir, job=nc.job,
                                        max_restarts=nc.max_restarts, workdir=nc.workdir))
-        infos = await self.ranks.start(self.warm)
+        infos = await self.ranks.start(self.warm, self._spare_kind(a))
         self.log.info("ranks started", generation=a.generation, warm=self.ranks.warm_started,
                       ranks=[(i.rank, i.pid) for i in infos])
         self._queue(RanksStarted(generation=a.generation or 0, ranks=infos, ts=time.time()))
-        if a.preload:
-            if self._warm_task is not None:
-                self._warm_task.cancel()
-            self._warm_task = asyncio.create_task(self._prepare_spares(a))
+        self._next_port(a.master_port)
+        self._keep_spares(a)
 
-    async def _prepare_spares(self, a: Assignment) -> None:
-        """Once this generation's ranks train, import the next one's modules in spares."""
+    async def _recover_in_place(self, a: Assignment) -> None:
+        """An in-job recovery: this node's live ranks join generation ``a.generation`` in
+        their processes (a ``recover`` order each, on the local socket), the failed ones
+        are replaced, in their standby where one is ready."""
+        assert self.ranks is not None
+        env = {**self._rank_env(), **self._memory_env(a, provision=False)}
+
+        def recover(r: Rank, rank_env: dict[str, str]) -> None:
+            self.hub.send_order(r.rank, {"t": "recover", "generation": a.generation,
+                                         "env": rank_env})
+
+        infos, fresh = await self.ranks.advance(a, env, recover, self.hub.forget, self.warm,
+                                                self._spare_kind(a))
+        self.log.info("ranks recovered in place", generation=a.generation,
+                      rejoined=[i.rank for i in infos if i.local_rank not in fresh],
+                      replaced=[i.rank for i in infos if i.local_rank in fresh],
+                      standby=self.ranks.warm_started)
+        self._queue(RanksStarted(generation=a.generation or 0, ranks=infos, ts=time.time()))
+        self._next_port(a.master_port)
+        self._keep_spares(a)
+
+    @staticmethod
+    def _spare_kind(a: Assignment) -> SpareKind | None:
+        """The spares this assignment's ranks can start in (None: none, a user's script)."""
+        if not a.preload or not a.entrypoint:
+            return None
+        return SpareKind(a.entrypoint[0], tuple(a.preload), a.standby_prepare)
+
+    def _keep_spares(self, a: Assignment) -> None:
+        """Refill the spare pool in the background for ``a``'s local ranks."""
+        if self._spare_kind(a) is None:
+            return
+        if self._warm_task is not None:
+            self._warm_task.cancel()
+        self._warm_task = asyncio.create_task(self._prepare_spares(a, time.time()))
+
+    async def _prepare_spares(self, a: Assignment, since: float) -> None:
+        """Once this generation's ranks have stepped (after ``since``: a rank that rejoined
+        in place beats its old step at once), import the next one's modules in spares (and
+        prepare them as standbys when the job asks for that)."""
         from orchestrator.agent.ranks import die_with_parent
 
-        while not any((b.step or 0) >= 1 for b in self.hub.beats.values()):
+        kind = self._spare_kind(a)
+        assert kind is not None
+        while not any(b.generation == a.generation and (b.last_step_ts or 0) >= since
+                      for b in self.hub.beats.values()):
             if self.ranks is None or self.ranks.generation != a.generation \
                     or not self.ranks.alive:
                 return
             await asyncio.sleep(0.5)
-        env = ec.without_secrets(os.environ)
+        base = {**ec.without_secrets(os.environ), **self._memory_env(a, provision=False)}
+
+        def env_of(local_rank: int) -> dict[str, str]:
+            # What a standby's preparation reads: its device, and the slots of the rank it
+            # would replace (this node's rank at that local index).
+            return {**base, "LOCAL_RANK": str(local_rank),
+                    "RANK": str(a.rank_offset + local_rank),
+                    "LOCAL_WORLD_SIZE": str(a.nproc), "WORLD_SIZE": str(a.world_size)}
+
         try:
-            await self.warm.fill(a.entrypoint[0], a.preload, a.nproc, env, die_with_parent)
+            await self.warm.fill(kind, list(range(a.nproc)), env_of, die_with_parent)
         except OSError as exc:  # spares are an optimisation: never a failure
             self.log.warning("could not start warm spares", error=str(exc))
 

@@ -71,6 +71,7 @@ class WorkerBeat(BaseModel):
     ts: Timestamp | None = None
     progress: Literal["sdk", "hook"] | None = None
     finished: bool = False
+    recoverable: bool = False
     step_time: Summary = None
     data_wait: Summary = None
     # Checked one by one when relayed (``keep_valid_records``): one bad record is dropped
@@ -159,6 +160,13 @@ class LocalHub:
         get_logger("orchestrator.agent.socket").warning(
             "worker beat dropped: not valid for the protocol (said once per rank and "
             "problem; the rank's last valid beat stands)", rank=key[0], problem=problem)
+
+    def forget(self, rank: int) -> None:
+        """``rank``'s process was replaced: its last beat, its connection and the orders
+        waiting for it belong to the dead process, not to the one that takes its place."""
+        self.beats.pop(rank, None)
+        self.writers.pop(rank, None)
+        self.pending.pop(rank, None)
 
     def take_records(self) -> tuple[int | None, list[dict[str, Any]]]:
         recs, self.records = self.records, []

@@ -9,6 +9,7 @@ that rank's exit, with the OS error as its cause, the moment the spawn fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal as signal_mod
@@ -24,7 +25,7 @@ from orchestrator.agent.rank_env import (
     rank_env,
     read_error_file,
 )
-from orchestrator.agent.warm import WarmPool
+from orchestrator.agent.warm import SpareKind, WarmPool
 from orchestrator.protocol import Assignment, RankInfo
 
 # Exit codes of a rank that never started, as a shell reports them.
@@ -197,64 +198,132 @@ class RankSet:
         return rank_env(self.assignment, local_rank, self._base_env, run_dir=st.run_dir,
                         max_restarts=st.max_restarts, job=st.job)
 
-    async def start(self, warm: WarmPool | None = None) -> list[RankInfo]:
+    async def start(self, warm: WarmPool | None = None,
+                    kind: SpareKind | None = None) -> list[RankInfo]:
         """Start every local rank: in pre-imported spares from ``warm`` when it holds one
         per rank for this entrypoint, else as fresh processes."""
         a = self.assignment
-        self._log_dir.mkdir(parents=True, exist_ok=True)
-        module = warm_module(a.entrypoint)
+        local_ranks = list(range(a.nproc))
         spares = None
-        if warm is not None and module is not None and a.preload:
-            spares = warm.take(a.entrypoint[0], a.preload, a.nproc)
+        if warm is not None and kind is not None and warm_module(a.entrypoint) is not None:
+            spares = warm.take(kind, local_ranks)
         self.warm_started = spares is not None
+        for local_rank in local_ranks:
+            self.ranks.append(await self._spawn(local_rank, (spares or {}).get(local_rank)))
+        self._watch_dying()
+        return [r.info() for r in self.ranks]
+
+    async def _spawn(self, local_rank: int, spare: asyncio.subprocess.Process | None,
+                     note: str = "") -> Rank:
+        """Start local rank ``local_rank`` of this generation, in ``spare`` when given,
+        with its log and error file, and watch it."""
+        a = self.assignment
+        self._log_dir.mkdir(parents=True, exist_ok=True)
         cwd = self.setup.workdir
         if cwd is not None:
             cwd.mkdir(parents=True, exist_ok=True)
-        for local_rank in range(a.nproc):
-            rank = a.rank_offset + local_rank
-            log_path = self._log_dir / f"rank-{rank:05d}.log"
-            err_path = error_file(self.setup.run_dir, a.generation, rank)
-            prepare_error_file(err_path)
-            proc, failure = None, None
-            with open(log_path, "ab") as log:
-                log.write(f"==== generation {a.generation} rank {rank} started "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
-                          f"{' (warm spare)' if spares else ''} ====\n".encode())
-                offset = log.tell()
-                if spares:
-                    proc = spares[local_rank]
-                    assert module is not None
-                    await WarmPool.hand_off(proc, module[0], module[1],
-                                            self._env(local_rank), str(log_path),
-                                            cwd=str(cwd or os.getcwd()))
-                else:
-                    try:
-                        proc = await asyncio.create_subprocess_exec(
-                            *a.entrypoint, env=self._env(local_rank), cwd=cwd,
-                            stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_die_with_parent)
-                    except (OSError, ValueError) as exc:
-                        failure = spawn_error(a.entrypoint, exc if isinstance(exc, OSError)
-                                              else OSError(str(exc)))
-                        log.write(f"{failure[1]}\n".encode())
-            r = Rank(rank, local_rank, proc, log_path, offset, time.time(), a.generation,
-                     error_path=err_path)
-            self.ranks.append(r)
-            if failure is not None:
-                r.exit_code, r.error = failure
-                self._watchers.append(asyncio.create_task(self._report(r)))
+        module = warm_module(a.entrypoint)
+        rank = a.rank_offset + local_rank
+        log_path = self._log_dir / f"rank-{rank:05d}.log"
+        err_path = error_file(self.setup.run_dir, a.generation, rank)
+        prepare_error_file(err_path)
+        proc, failure = None, None
+        with open(log_path, "ab") as log:
+            log.write(f"==== generation {a.generation} rank {rank} started "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
+                      f"{' (warm spare)' if spare is not None else ''}{note} ====\n".encode())
+            offset = log.tell()
+            if spare is not None and module is not None:
+                proc = spare
+                await WarmPool.hand_off(proc, module[0], module[1], self._env(local_rank),
+                                        str(log_path), cwd=str(cwd or os.getcwd()))
             else:
-                self._watchers.append(asyncio.create_task(self._watch(r)))
-        self._dying_watch = asyncio.create_task(self.watch_dying())
-        return [r.info() for r in self.ranks]
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *a.entrypoint, env=self._env(local_rank), cwd=cwd,
+                        stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                        stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                        preexec_fn=_die_with_parent)
+                except (OSError, ValueError) as exc:
+                    failure = spawn_error(a.entrypoint, exc if isinstance(exc, OSError)
+                                          else OSError(str(exc)))
+                    log.write(f"{failure[1]}\n".encode())
+        r = Rank(rank, local_rank, proc, log_path, offset, time.time(), a.generation,
+                 error_path=err_path)
+        if failure is not None:
+            r.exit_code, r.error = failure
+            self._watchers.append(asyncio.create_task(self._report(r)))
+        else:
+            self._watchers.append(asyncio.create_task(self._watch(r)))
+        return r
+
+    def _watch_dying(self) -> None:
+        if self._dying_watch is None or self._dying_watch.done():
+            self._dying_watch = asyncio.create_task(self.watch_dying())
+
+    async def advance(self, a: Assignment, base_env: dict[str, str],
+                      recover: Callable[[Rank, dict[str, str]], None],
+                      forget: Callable[[int], None], warm: WarmPool | None = None,
+                      kind: SpareKind | None = None) -> tuple[list[RankInfo], list[int]]:
+        """Move this node's ranks to generation ``a.generation`` in place (an in-job
+        recovery): the ranks ``a.replace`` names are killed if still alive; each live rank
+        gets ``recover(rank, env)`` (the agent writes it the order) and stays the same
+        process; every other one starts anew, in its standby where ``warm`` holds one,
+        after ``forget(rank)`` (the agent drops what the dead process said and was sent).
+        Returns the new generation's ranks and the local ranks started anew.
+
+        A replaced rank's exit is still reported, as its old generation's (the supervisor
+        has moved on: a straggler)."""
+        old = {r.local_rank: r for r in self.ranks}
+        self.assignment, self.generation, self._base_env = a, a.generation, base_env
+        for r in old.values():
+            if r.rank in a.replace and r.alive and r.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(r.pid, signal_mod.SIGKILL)
+        live = {lr: r for lr, r in old.items()
+                if r.alive and not r.reported and r.rank not in a.replace}
+        fresh = [lr for lr in range(a.nproc) if lr not in live]
+        spares = warm.take_some(kind, fresh) if warm is not None and kind is not None and \
+            warm_module(a.entrypoint) is not None else {}
+        ranks: list[Rank] = []
+        for local_rank in range(a.nproc):
+            r = live.get(local_rank)
+            if r is None:
+                forget(a.rank_offset + local_rank)
+                ranks.append(await self._spawn(local_rank, spares.get(local_rank),
+                                               note=" (replacing a failed rank in place)"))
+                continue
+            r.generation = a.generation
+            r.error_path = error_file(self.setup.run_dir, a.generation, r.rank)
+            prepare_error_file(r.error_path)
+            with open(r.log_path, "ab") as log:
+                log.write(f"==== generation {a.generation} rank {r.rank} rejoins in place "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')} (pid {r.pid}) ====\n"
+                          .encode())
+                r.log_offset = log.tell()
+            recover(r, self._env(local_rank))
+            ranks.append(r)
+        self.ranks = ranks
+        self.warm_started = bool(spares)
+        self._watch_dying()
+        return [r.info() for r in self.ranks], fresh
 
     async def _watch(self, r: Rank) -> None:
         assert r.process is not None
         code = await r.process.wait()
         r.reaped = True
-        if not r.reported:
+        if self._claim(r):
             await self._exited(r, code)
+
+    @staticmethod
+    def _claim(r: Rank) -> bool:
+        """The one decision that ``r``'s exit is reported now, by the caller: True once per
+        rank. It is taken synchronously, before any await, so the reaper, the dying-poll
+        and a closed channel can race to it and still report one exit once."""
+        if r.reported:
+            return False
+        r.reported = True
+        return True
 
     def channel_closed(self, rank: int) -> None:
         """``rank``'s channel to this agent closed: look at once whether it is dying."""
@@ -270,7 +339,7 @@ class RankSet:
         if self.stopping or not r.alive or r.reported or r.pid is None:
             return
         code = dying_status(r.pid)
-        if code is not None and code != 0:
+        if code is not None and code != 0 and self._claim(r):
             self._watchers.append(asyncio.create_task(self._exited(r, code)))
 
     async def watch_dying(self, interval_s: float = _DYING_POLL_S) -> None:
@@ -283,8 +352,8 @@ class RankSet:
             await asyncio.sleep(interval_s)
 
     async def _exited(self, r: Rank, code: int) -> None:
-        """Report ``r``'s exit (``code`` as ``Popen.returncode``: negative for a signal)."""
-        r.reported = True
+        """Report ``r``'s exit (``code`` as ``Popen.returncode``: negative for a signal),
+        once the caller has claimed it (:meth:`_claim`)."""
         if code < 0:
             r.signal = signal_name(code)
         r.exit_code = code if code >= 0 else None

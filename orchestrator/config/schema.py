@@ -279,6 +279,22 @@ class RestartConfig(Section):
                              "(when a spare can take its place).")
     node_failure_window_s: float = Field(
         3600.0, gt=0, description="Window for node_failure_limit.")
+    in_job: bool = Field(
+        True, description="Recover from a rank's death or hang in place: the other ranks "
+        "stay alive and roll back to the newest state every rank holds (the memory tier, "
+        "else the durable tier), and the failed rank is replaced (by a warm standby where "
+        "one is ready), with no health check and no restart of the survivors. Whenever that "
+        "cannot be done the job restarts every rank as before; the journal's failure says "
+        "which path was taken and why (recovery_path, recovery_reason).")
+    in_job_wait_s: float = Field(
+        30.0, gt=0, le=3600, description="A rank whose collective failed waits this long "
+        "for the in-job recovery's order before it exits (the job then restarts in full).")
+    standby: bool = Field(
+        True, description="With in_job and job.warm_start: each node keeps one warm standby "
+        "per local rank (the trainer imported, on a GPU its device context created and the "
+        "compile cache loaded, the rank's memory-tier slots page-locked) to replace a dead "
+        "rank. Costs a device context per local rank (about 0.5 GB of GPU memory) and an "
+        "interpreter's host memory.")
 
 
 class StragglerConfig(Section):
@@ -409,6 +425,10 @@ class ChaosConfig(Section):
     )
     fail_at_start_rank: int | None = Field(
         None, ge=0, description="This rank exits with code 3 at start-up, every time."
+    )
+    fail_rejoin_rank: int | None = Field(
+        None, ge=0, description="This rank fails every in-job recovery it survives, after "
+        "its new process groups are made (the job falls back to a full restart)."
     )
     slow_checkpoint_s: float = Field(
         0.0, ge=0, le=3600, description="Every save blocks training this much longer (tests timeouts)."

@@ -41,6 +41,7 @@ from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.outcome import JobFailed, Outcome
 from orchestrator.supervisor.policy import OperatorStop, RestartPolicy
 from orchestrator.supervisor.profiles import ProfileDesk
+from orchestrator.supervisor import recovery
 from orchestrator.supervisor.recorder import Recorder
 from orchestrator.supervisor.selection import NodeSelection
 from orchestrator.supervisor.stability import StabilityHook
@@ -289,7 +290,10 @@ class Supervisor:
         if carry is _ADOPT:
             return await self._observed(self.view.generation, adopting=True)
         generation = self.view.generation + 1
-        await self.parts.launch(generation, carry)
+        if isinstance(carry, recovery.InPlace):
+            await self.parts.launch(generation, carry.placement, replace=carry.replace)
+        else:
+            await self.parts.launch(generation, carry)
         return await self._observed(generation)
 
     async def _on_running(self, carry: Any) -> Next:
@@ -322,27 +326,55 @@ class Supervisor:
         saved = None
         if outcome.cause is Cause.OPERATOR and outcome.detail.get("checkpoint"):
             saved = await self.parts.final_checkpoint(generation)
-        await self.parts.stop(generation)
         if outcome.cause is Cause.OPERATOR:
+            await self.parts.stop(generation)
             return Next(JobState.STOPPED, cause=Cause.OPERATOR,
                         reason=self.stop_reason + (f"; {saved}" if saved else ""))
         outcome = self._explain_by_lost_node(outcome)
+        path = self._recovery_path(generation, outcome) if carry is not _ADOPT else \
+            recovery.Path(recovery.RESTART, "the supervisor restarted while stopping")
+        if not path.in_job:
+            await self.parts.stop(generation)
         failure = self.intake.root_cause(generation, outcome.cause, outcome.detail)
+        failure.update(recovery_path=path.kind, recovery_reason=path.reason[:4096])
         self.record(ev.Failure(**failure), durable=True)
         self.log.error("generation failed", **{k: v for k, v in failure.items()
                                                if k != "log_tail"})
-        self._blame_node(failure)
+        if not path.in_job:
+            self._blame_node(failure)
         # A pending rollback is carried out whatever stopped the generation: a rank that
         # crashed on a NaN still diverged first.
         refusal = self.stability.refusal(self.view, failure.get("generation"))
         decision = self.policy.decide(self.view)
         if refusal or not decision.restart:
+            if path.in_job:  # the survivors wait for an order that will not come
+                await self.parts.stop(generation)
             return Next(JobState.FAILED, cause=outcome.cause,
                         reason=refusal or decision.reason)
+        if path.in_job:
+            return Next(JobState.RECOVERING, cause=outcome.cause, delay_s=0.0,
+                        carry=recovery.InPlace(recovery.placement_of(self.view),
+                                               path.replace))
         return Next(JobState.RECOVERING, cause=outcome.cause, delay_s=decision.delay_s,
                     carry=failure)
 
+    def _recovery_path(self, generation: int, outcome: Outcome) -> recovery.Path:
+        """In place, or every rank restarted (``supervisor.recovery``); a node that would
+        be blamed for one failure too many is replaced by a spare, which a restart does."""
+        replace = recovery.failed_ranks(outcome.cause, outcome.detail, self.intake.exits)
+        blamed = self._blame_due(outcome.detail.get("node_id"))
+        if blamed:
+            return recovery.Path(recovery.RESTART, blamed)
+        if self.stability.divergence(generation) is not None:
+            return recovery.Path(recovery.RESTART, "a stability rollback is pending: every "
+                                 "rank restarts with its skip window")
+        return recovery.choose_path(self.cfg, self.view, outcome.cause,
+                                    {"generation": generation}, replace,
+                                    self.intake.progress.current, self.nodes)
+
     async def _on_recovering(self, carry: Any) -> Next:
+        if isinstance(carry, recovery.InPlace):
+            return Next(JobState.LAUNCHING, carry=carry)
         failure = carry if isinstance(carry, dict) else (
             self.view.failures[-1] if self.view.failures else {})
         self.intake.stragglers.exclude_at_restart(self.nodes)  # with action: exclude
@@ -381,6 +413,22 @@ class Supervisor:
             "node_id": node.node_id,
             "message": f"node {node.node_id} was lost (agent silent); the exit of rank "
                        f"{exit_msg} on another node followed from it"})
+
+    def _blame_due(self, node_id: str | None) -> str | None:
+        """Why the next failure of ``node_id`` gets it excluded (it reaches
+        ``restart.node_failure_limit`` in the window, and a spare can take its place), or
+        None. Counts the failure being judged, which is not journaled yet."""
+        node = self.nodes.nodes.get(node_id or "")
+        if node is None or node.state is not NodeState.ACTIVE:
+            return None
+        r = self.cfg.restart
+        now = self.clock.time()
+        recent = [f for f in self.view.failures if f.get("node_id") == node_id
+                  and now - (f.get("ts") or now) <= r.node_failure_window_s]
+        if len(recent) + 1 < r.node_failure_limit or not self.nodes.with_state(NodeState.SPARE):
+            return None
+        return (f"node {node_id} failed {len(recent) + 1} times in "
+                f"{r.node_failure_window_s:.0f} s: a spare replaces it")
 
     def _blame_node(self, failure: dict[str, Any]) -> None:
         """Exclude a node blamed for too many failures, when a spare can take its rank."""

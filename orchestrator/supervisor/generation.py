@@ -63,8 +63,13 @@ class GenerationParts:
         self._transition = transition
 
     # -- launch ------------------------------------------------------------------------------
-    async def launch(self, generation: int, placement: Placement) -> None:
+    async def launch(self, generation: int, placement: Placement,
+                     replace: list[int] | None = None) -> None:
+        """Launch ``generation`` on ``placement``. With ``replace`` (an in-job recovery),
+        the previous generation's live ranks join it in place and the ranks named there
+        are started anew."""
         nodes = self.nodes
+        in_place = replace is not None
         rank0 = next(n for n, r in placement.active.items() if r == 0)
         master = nodes.nodes[rank0]
         ppn = self.cfg.cluster.procs_per_node
@@ -78,7 +83,10 @@ class GenerationParts:
                 "nproc": ppn, "world_size": self.cfg.cluster.world_size,
                 "rank_offset": node_rank * ppn, "master_addr": master.addr,
                 "master_port": master.free_port, "entrypoint": entrypoint,
-                "env": env, "signals": [], "profiles": [], "preload": preload}
+                "env": env, "signals": [], "profiles": [], "preload": preload,
+                "standby_prepare": self.standby_prepare(), "in_place": in_place,
+                "replace": [r for r in replace or [] if node_rank * ppn <= r <
+                            (node_rank + 1) * ppn]}
         view = self.ctx.view
         after = view.failures[-1]["cause"] if view.failures else None
         # Checked (its 2,048 assignments walked by the JSON bounds: 0.13 s at 2,048 nodes)
@@ -89,7 +97,7 @@ class GenerationParts:
             world_size=self.cfg.cluster.world_size, master_addr=master.addr,
             master_port=master.free_port, nodes=placement.active, spares=placement.spares,
             after_cause=after, resume_step=view.newest_checkpoint_step,
-            assignments=assignments)
+            assignments=assignments, in_place=in_place, replaced=sorted(replace or []))
         self.intake.begin_generation(generation, self.cfg.cluster.world_size)
         self.ctx.record(launched, durable=True)
         for node_id, assignment in assignments.items():
@@ -108,6 +116,14 @@ class GenerationParts:
         if self.cfg.trainer.parallelism.compile:  # TorchDynamo and Inductor, seconds of them
             modules.append("trainer.warm_compile")
         return modules
+
+    def standby_prepare(self) -> str | None:
+        """The function a spare runs to become a warm standby for in-job replacements
+        (``restart.standby``), or None: plain spares."""
+        r = self.cfg.restart
+        if not self.preload() or not (r.in_job and r.standby):
+            return None
+        return "trainer.standby:prepare"
 
     def entrypoint(self) -> list[str]:
         if self.cfg.job.entrypoint:
@@ -147,6 +163,8 @@ class GenerationParts:
                 collective_timeout_s=collective_timeout_s(self.cfg.timeouts,
                                                           self.intake.training_timeout),
                 chaos=self.intake.chaos.plan(),
+                in_job_wait_s=self.cfg.restart.in_job_wait_s if self.cfg.restart.in_job
+                else None,
             ).to_env(),
         }
 

@@ -445,9 +445,6 @@ class Intake:
         for key in ("suspects", "stacks"):  # the first ones; every stack file is in stacks/
             if key in detail:
                 out[key] = detail[key][:_MAX_LISTED]
-        node = self.nodes.nodes.get(out["node_id"] or "")
-        if node is not None:
-            node.failure_times.append(self.ctx.clock.time())
         return out
 
 
@@ -458,7 +455,7 @@ _MAX_LISTED = 256
 _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
                         "checkpoint_fetched", "checkpoint_upload_retry",
                         "checkpoint_upload_failed", "checkpoint_upload_skipped",
-                        "stability_skip", "startup"}
+                        "stability_skip", "startup", "recovered", "recovery_failed"}
 
 
 def _first_problem(exc: Exception) -> str:

@@ -72,7 +72,6 @@ class NodeRecord:
     generation: int | None = None  # generation the agent last said it runs
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     assignment: Assignment = field(default_factory=Assignment)
-    failure_times: list[float] = field(default_factory=list)  # wall times of failures blamed
     stopped_generation: int | None = None  # last generation the agent reported stopped
 
     @property

@@ -38,6 +38,7 @@ class RankProgress:
     step_interval_max: float | None = None
     progress: str | None = None  # "hook": steps are the preload hook's optimizer count
     finished: bool = False  # sent its last beat; tearing down
+    recoverable: bool = False  # can rejoin the next generation in place (in-job recovery)
 
 
 @dataclass
@@ -130,6 +131,7 @@ class ProgressTracker:
                 gen.report_interval(info.rank, info.step_interval_max)
             rp.progress = info.progress
             rp.finished = info.finished
+            rp.recoverable = info.recoverable
             if info.progress == "hook" and info.step is None:
                 gen.unstepped_hooks.add(info.rank)
             else:

@@ -31,6 +31,7 @@ from typing import Any
 from orchestrator import chaos as chaos_
 from orchestrator import envcontract as ec
 from orchestrator.chaos import ChaosPlan
+from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
@@ -45,6 +46,9 @@ _INTERVAL_WINDOW = 50
 _SUMMARY_STEPS = 20
 # Records buffered while the agent is unreachable; the oldest are dropped past this.
 _MAX_RECORDS = 20_000
+# How long the order thread waits on the socket at a time: an in-job recover order is acted
+# on (its aborts run) within this much of arriving, not a heartbeat interval later.
+_ORDER_POLL_S = 0.05
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 # The supervisor's request for a checkpoint at the next step boundary (an operator's stop):
 # the handler only sets a flag; the training loop reads ``checkpoint_requested``.
@@ -69,6 +73,7 @@ class WorkerContext:
     lr_scale: float = 1.0
     chaos: ChaosPlan = field(default_factory=ChaosPlan)
     memory_dir: str | None = None  # the node's memory tier (set by the agent when on)
+    in_job_wait_s: float | None = None  # in-job recovery on: how long to wait for the order
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
@@ -84,7 +89,7 @@ class WorkerContext:
             config_path=agent.config_path, run_dir=agent.run_dir,
             checkpoint_root=gen.checkpoint_root, resume_max_step=gen.resume_max_step,
             skip_windows=list(gen.skip_windows), lr_scale=gen.lr_scale, chaos=gen.chaos,
-            memory_dir=agent.memory_dir,
+            memory_dir=agent.memory_dir, in_job_wait_s=gen.in_job_wait_s,
         )
 
 
@@ -132,6 +137,9 @@ class Worker:
         self._profile: ProfileSession | None = None
         self._profiles_seen: set[int] = set()
         self._inbox = b""  # a partial line from the agent
+        self._orders: threading.Thread | None = None
+        # In-job recovery: the agent's recover order and the aborts that act on it.
+        self.injob = InJob()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Worker:
@@ -147,6 +155,9 @@ class Worker:
             self._thread = threading.Thread(target=self._beat_loop, name="orch-heartbeat",
                                             daemon=True)
             self._thread.start()
+            self._orders = threading.Thread(target=self._order_loop, name="orch-orders",
+                                            daemon=True)
+            self._orders.start()
         return self
 
     def close(self) -> None:
@@ -166,6 +177,9 @@ class Worker:
             self._stop.set()
             self._thread.join(timeout=5)
             self._thread = None
+            if self._orders is not None:
+                self._orders.join(timeout=1)
+                self._orders = None
             self._beat()
         if self._sock is not None:
             with contextlib.suppress(OSError):
@@ -180,9 +194,11 @@ class Worker:
         stacks = Path(self.ctx.run_dir) / "stacks"
         stacks.mkdir(parents=True, exist_ok=True)
         path = stacks / f"gen{self.ctx.generation:04d}-rank{self.ctx.rank:05d}.txt"
-        self._stack_file = open(path, "a")  # noqa: SIM115 - must outlive this call
+        previous, self._stack_file = self._stack_file, open(path, "a")  # noqa: SIM115
         faulthandler.register(STACK_DUMP_SIGNAL, file=self._stack_file, all_threads=True,
                               chain=False)
+        if previous is not None:
+            previous.close()
 
     def _install_checkpoint_request(self) -> None:
         # Python takes signal handlers on the main thread only; a script with a SIGUSR2
@@ -305,9 +321,24 @@ class Worker:
     def _beat_loop(self) -> None:
         while not self._stop.wait(self._interval):
             self._beat()
-            # Orders are read here only, never in a beat the training thread sends (a
-            # phase change): arming a profile imports torch.profiler's modules.
-            self._read_orders()
+
+    def _order_loop(self) -> None:
+        """Read the agent's orders as they come. Orders are read in this thread only, never
+        in the training thread (arming a profile imports torch.profiler's modules; a
+        recover order must reach a training thread that is blocked)."""
+        while not self._stop.is_set():
+            with self._send_lock:
+                sock = self._sock
+            if sock is None:
+                self._stop.wait(_ORDER_POLL_S)
+                continue
+            try:
+                ready = select.select([sock], [], [], _ORDER_POLL_S)[0]
+            except (OSError, ValueError):  # closed meanwhile: the next send reconnects
+                self._stop.wait(_ORDER_POLL_S)
+                continue
+            if ready:
+                self._read_orders()
 
     def _beat(self) -> None:
         with self._lock:
@@ -320,7 +351,8 @@ class Worker:
                    "step_time": _recent_mean(self._step_times),
                    "data_wait": _recent_mean(self._data_waits),
                    "ts": self._clock(), "records": self._records,
-                   "progress": self.progress, "finished": self._finished}
+                   "progress": self.progress, "finished": self._finished,
+                   "recoverable": self.injob.enabled}
             records, self._records = self._records, []
         if not self._send(msg) and records:
             with self._lock:  # keep them for the next beat
@@ -352,8 +384,16 @@ class Worker:
 
     def _take_order(self, line: bytes) -> None:
         try:
-            order = ProfileOrder.parse(json.loads(line))
-        except (ValueError, BadOrder) as exc:
+            obj = json.loads(line)
+        except ValueError as exc:
+            self.event("profile_failed", error=f"bad order from the agent: {exc}"[:4000])
+            return
+        if isinstance(obj, dict) and obj.get("t") == "recover":
+            self._take_recover(obj)
+            return
+        try:
+            order = ProfileOrder.parse(obj)
+        except BadOrder as exc:
             self.event("profile_failed", error=f"bad order from the agent: {exc}"[:4000])
             return
         if order.id in self._profiles_seen:
@@ -365,6 +405,36 @@ class Worker:
                        else "no run directory to write the trace to")
             return
         self._profile = ProfileSession(order, self.ctx.rank, self.ctx.run_dir, self.event)
+
+    def _take_recover(self, obj: dict[str, Any]) -> None:
+        try:
+            order = RecoverOrder.parse(obj)
+        except BadRecoverOrder as exc:
+            self.event("recovery_failed", error=f"bad order from the agent: {exc}"[:4000])
+            return
+        if not self.injob.enabled:
+            # Nothing here can act on it: the rank fails its collective and exits, and the
+            # supervisor falls back to a full restart.
+            self.event("recovery_failed", error="recover order for a rank that has not "
+                       "enabled in-job recovery")
+            return
+        self.injob.deliver(order, self.ctx.generation)
+
+    def join_generation(self, order: RecoverOrder) -> None:
+        """This rank now belongs to ``order.generation``: its context is parsed again from
+        the order's environment (which becomes the process's own), its beats carry the new
+        generation, its stack dumps go to the new generation's file, and the step intervals
+        of the old one no longer calibrate the hang timeout."""
+        os.environ.update(order.env)
+        ctx = WorkerContext.from_env(os.environ)
+        with self._lock:
+            self.ctx = ctx
+            self._intervals.clear()
+            self._disturbed_step = True  # the first step after the rejoin is not a measure
+            self._records = []
+        if self._stack_file is not None:
+            self._install_stack_dump()
+        self._beat()
 
     def _send(self, msg: dict[str, Any]) -> bool:
         if not self._socket_path:

@@ -6,7 +6,12 @@ generation starts (after a failure), the agent hands each spare its rank's envir
 argv on stdin instead of starting a fresh interpreter, so a restart does not pay for
 importing torch again (6.4 s of a 30 s recovery on an H100, 5.5 s of 8.5 s on a CPU).
 
-    python -u -m orchestrator.worker.warm --preload trainer.main
+    python -u -m orchestrator.worker.warm --preload trainer.main \
+        [--prepare trainer.standby:prepare --local-rank 1]
+
+With ``--prepare``, the spare is a warm standby: after the imports it calls the function with
+its local rank (our trainer's creates the device context, loads the compile cache and
+page-locks the rank's memory-tier slots); a preparation that fails leaves a plain spare.
 
 Protocol: one JSON line on stdin, ``{"env": {...}, "argv": [...], "module": "trainer",
 "log": "/path/rank-00001.log"}``; the spare points its stdout and stderr at the log, takes
@@ -33,9 +38,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.worker.warm")
     parser.add_argument("--preload", action="append", default=[],
                         help="module to import ahead of time (repeatable)")
+    parser.add_argument("--prepare", default=None,
+                        help="MODULE:FUNCTION called with the local rank after the imports")
+    parser.add_argument("--local-rank", type=int, default=0)
     args = parser.parse_args()
     for name in args.preload:
         importlib.import_module(name)
+    if args.prepare:
+        prepare(args.prepare, args.local_rank)
     line = sys.stdin.readline()
     if not line.strip():
         return 0
@@ -60,6 +70,17 @@ def main() -> int:
     sys.argv = [spec["module"], *spec.get("argv", [])]
     runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
     return 0
+
+
+def prepare(spec: str, local_rank: int) -> None:
+    """Run the standby's preparation ``MODULE:FUNCTION(local_rank)``; its failure is
+    written to stderr and leaves a plain spare (a rank started in it prepares itself)."""
+    module, _, func = spec.partition(":")
+    try:
+        getattr(importlib.import_module(module), func or "prepare")(local_rank)
+    except Exception as exc:  # noqa: BLE001 - a spare still saves the imports
+        print(f"standby preparation {spec} failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

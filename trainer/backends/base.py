@@ -112,6 +112,18 @@ class Backend(abc.ABC):
                          rank: int) -> dict[str, Any]:
         """What a checkpoint holds, in the form ``checkpointer_class`` saves and loads."""
 
+    def rejoin_unsupported(self, settings: WorkerSettings) -> str | None:
+        """Why this strategy's ranks cannot rejoin a new generation in place (an in-job
+        recovery), or None when they can."""
+        return f"the {self.strategy} backend keeps process-group state of its own"
+
+    def rejoin(self, stepper: Stepper, dctx: DistContext) -> None:
+        """Point the model's own process-group state at the groups just made anew."""
+        raise NotImplementedError(self.rejoin_unsupported(None))  # type: ignore[arg-type]
+
+    def reset_step_state(self, stepper: Stepper) -> None:
+        """Forget a step cut short by a peer's failure (before its state is restored)."""
+
     def checkpoint_meta(self) -> dict[str, Any]:
         """Manifest fields naming the writer and where each part of the state lives."""
         from trainer.state import STATE_LAYOUT

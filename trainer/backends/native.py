@@ -150,6 +150,26 @@ class NativeBackend(Backend):
             after = after_optimizer_step
         return TorchStepper(model, optimizer, scheduler, settings.trainer, dctx.device, after)
 
+    def rejoin_unsupported(self, settings: WorkerSettings) -> str | None:
+        cfg = settings.trainer
+        if cfg.parallelism.strategy == "ddp":
+            return "DDP's reducer holds the process group it was built with"
+        if cfg.finetune is not None:
+            return "fine-tuning reloads its frozen base at every start"
+        return None
+
+    def rejoin(self, stepper: Any, dctx: DistContext) -> None:
+        from trainer.parallel import rebind_process_groups
+
+        rebind_process_groups(stepper.model)
+
+    def reset_step_state(self, stepper: Any) -> None:
+        from trainer.parallel import fsdp_param_groups, reset_iteration
+
+        if fsdp_param_groups(stepper.model):
+            reset_iteration(stepper.model)
+        stepper.optimizer.zero_grad(set_to_none=True)
+
     def checkpoint_state(self, stepper: Any, scheduler: Any, progress: Any, loader: Any,
                          rank: int) -> dict[str, Any]:
         from trainer.state import LoaderState, checkpoint_state

@@ -346,6 +346,26 @@ class Checkpointer:
             print(f"checkpoint step {p.step}: write failed on this rank: "
                   f"{explain_failure(exc, p.url)}", flush=True)
 
+    def abandon(self, timeout: float) -> bool:
+        """Forget the save in flight when an in-job recovery aborted the process groups:
+        wait (up to ``timeout`` s for each of its two threads) for it to end, failed by the
+        abort or committed just before it. A save the recovery cut short is not a storage
+        failure: it leaves the failure count as it was. False: its threads did not end."""
+        p = self._pending
+        if p is None:
+            return True
+        failures = self.failures_in_a_row
+        for future in (p.future, p.finalized):
+            if future is None:
+                continue
+            done, _ = concurrent.futures.wait([future], timeout=timeout)
+            if not done:
+                return False
+        self._pending = None
+        if p.future.exception() is not None:
+            self.failures_in_a_row = failures
+        return True
+
     def finish(self) -> None:
         """End of training: commit the last save and wait (bounded) for its upload, so the
         remote tier holds the final checkpoint when the job completes."""

@@ -110,7 +110,7 @@ class MemoryTier:
                  group: Any, trust: Callable[[], signing.Trust | None],
                  log: Callable[[str], None], device_type: str = "cpu",
                  pin_restore: bool = False, ahead: DigestAhead | None = None) -> None:
-        self.slots = Slots(root)
+        self.slots = Slots.shared(root)
         self._ahead = ahead  # this rank's own newest copy, digested since the start
         self.pin_restore = pin_restore and device_type == "cuda"
         self._pinned: list[Pinned] = []
@@ -145,14 +145,22 @@ class MemoryTier:
         return self._trust()
 
     # -- saving ----------------------------------------------------------------------------
-    def _target(self, kind: str, rank: int) -> str:
-        """The slot a save overwrites: an empty one, else the one with the older step."""
+    def _target(self, kind: str, rank: int, keep: int | None = None) -> str:
+        """The slot a save overwrites: an empty one, else the one with the older step, but
+        never the copy of step ``keep``: the newest step every rank has committed, the one
+        a recovery rolls back to if a rank dies before this save is committed everywhere
+        (a rank may commit step 30 while a slower peer still commits 20)."""
         have = {c.slot: c.manifest.step for c in self.slots.copies(kind, rank)}
         free = [s for s in mf.SLOTS if s not in have]
-        return free[0] if free else min(have, key=lambda s: have[s])
+        if free:
+            return free[0]
+        spare = [s for s in have if have[s] != keep] or list(have)
+        return min(spare, key=lambda s: have[s])
 
-    def save(self, step: int, tokens: int, state: dict[str, Any]) -> float:
-        """Copy ``state`` into the older own slot (training waits for this copy only);
+    def save(self, step: int, tokens: int, state: dict[str, Any],
+             keep: int | None = None) -> float:
+        """Copy ``state`` into the older own slot (training waits for this copy only),
+        never the one holding step ``keep`` (the newest step every rank has committed);
         the digest, the signed manifest (the commit) and the partner exchange follow in
         the background. One save in flight: this waits for the previous one first.
         Returns the seconds training was blocked."""
@@ -160,7 +168,7 @@ class MemoryTier:
         self.wait()
         if self.disabled_reason is not None:
             return 0.0
-        slot = self._target("own", self.rank)
+        slot = self._target("own", self.rank, keep)
         buf = self.slots.map("own", self.rank, slot)
         staged = None
         if buf is None:
@@ -230,6 +238,27 @@ class MemoryTier:
             pending.result()
         except Exception as exc:  # noqa: BLE001 - the older copy stays; the next save retries
             self.log(f"memory tier: a save failed: {type(exc).__name__}: {exc}")
+
+    def digest_ahead(self) -> None:
+        """Start digesting this rank's own copies in a thread now (an in-job recovery:
+        while the new process groups meet), for the restore's verification to find."""
+        self._ahead = DigestAhead(self.slots.root, self.rank, None, every=True)
+
+    def abandon(self, timeout: float) -> bool:
+        """Forget the commit in flight when an in-job recovery aborted the process groups
+        (its partner exchange fails then; its own copy may be committed). False: the
+        commit thread did not end within ``timeout`` s."""
+        pending = self._pending
+        if pending is None:
+            return True
+        done, _ = concurrent.futures.wait([pending], timeout=timeout)
+        if not done:
+            return False
+        self._pending = None
+        if pending.exception() is not None:
+            self.log(f"memory tier: the save in flight ended with the recovery: "
+                     f"{type(pending.exception()).__name__}")
+        return True
 
     def report(self) -> dict[str, Any]:
         """What the node's memory tier holds now, for the ``memory_tier`` event."""

@@ -34,6 +34,13 @@ class Slots:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._maps: dict[str, mmap.mmap] = {}
+        self.pinned: list[Pinned] = []  # page-locked ahead by a warm standby
+
+    @classmethod
+    def shared(cls, root: Path) -> Slots:
+        """The slots a warm standby of this process mapped and page-locked ahead of its
+        hand-off (``pin_own_slots``), else a fresh view."""
+        return _PREPARED.pop(str(root), None) or cls(root)
 
     def path(self, kind: str, rank: int, slot: str, ext: str) -> Path:
         return self.root / mf.slot_name(kind, rank, slot, ext)
@@ -105,12 +112,39 @@ class Slots:
         return used, size
 
     def close(self) -> None:
+        for pinned in self.pinned:
+            pinned.release()
+        self.pinned.clear()
         for m in self._maps.values():
             try:
                 m.close()
             except BufferError:  # a tensor view still holds it: the process exit frees it
                 pass
         self._maps.clear()
+
+
+# Slots a warm standby mapped and page-locked, by memory directory, until its rank's memory
+# tier takes them (``Slots.shared``).
+_PREPARED: dict[str, Slots] = {}
+
+
+def pin_own_slots(root: Path, rank: int) -> int:
+    """A warm standby's preparation: map ``rank``'s own slots and page-lock the bytes each
+    committed copy uses (registering the agent's shared memory: nothing pinned is
+    allocated), kept for this process's memory tier. Returns the bytes page-locked."""
+    slots = Slots(root)
+    total = 0
+    for copy in slots.copies("own", rank):
+        buf = slots.map("own", rank, copy.slot)
+        if buf is None:
+            continue
+        length = min(len(buf), -(-copy.manifest.data_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        pinned = Pinned(buf, length)
+        if pinned.ok:
+            slots.pinned.append(pinned)
+            total += length
+    _PREPARED[str(root)] = slots
+    return total
 
 
 def digest_of(data: memoryview | mmap.mmap, m: mf.MemoryManifest) -> str:
@@ -133,26 +167,29 @@ class DigestAhead:
     again since (another manifest) is digested afresh. Nothing writes a slot while a new
     generation starts: the ranks that wrote it were reaped before the relaunch."""
 
-    def __init__(self, root: Path, rank: int, max_step: int | None) -> None:
+    def __init__(self, root: Path, rank: int, max_step: int | None,
+                 every: bool = False) -> None:
         self._digests: dict[tuple[str, str], str] = {}
         self.seconds = 0.0
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, args=(root, rank, max_step),
+        self._thread = threading.Thread(target=self._run, args=(root, rank, max_step, every),
                                         name="memory-digest-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self, root: Path, rank: int, max_step: int | None) -> None:
+    def _run(self, root: Path, rank: int, max_step: int | None, every: bool) -> None:
         t0 = time.perf_counter()
         slots = Slots(root)
         try:
-            copies = [c for c in slots.copies("own", rank)
-                      if max_step is None or c.manifest.step <= max_step]
-            if copies:
-                newest = max(copies, key=lambda c: c.manifest.step)
-                buf = slots.map("own", rank, newest.slot)
+            copies = sorted((c for c in slots.copies("own", rank)
+                             if max_step is None or c.manifest.step <= max_step),
+                            key=lambda c: c.manifest.step, reverse=True)
+            # The newest copy, or (an in-job recovery, which may roll back to the older
+            # one: the newest step every rank holds) every copy, newest first.
+            for copy in copies if every else copies[:1]:
+                buf = slots.map("own", rank, copy.slot)
                 if buf is not None:
-                    self._digests[(newest.slot, newest.manifest.digest)] = \
-                        digest_of(buf, newest.manifest)
+                    self._digests[(copy.slot, copy.manifest.digest)] = \
+                        digest_of(buf, copy.manifest)
         except (OSError, ValueError) as exc:  # the plan digests it itself then
             self.error = f"{type(exc).__name__}: {exc}"[:300]
         finally:

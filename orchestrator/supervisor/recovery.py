@@ -1,0 +1,112 @@
+"""How the job recovers from a failed generation: in place, or every rank restarted.
+
+In-job recovery keeps the surviving ranks' processes (their imports, device contexts,
+compiled graphs and page-locked memory): the next generation has the same members and
+placement, the failed ranks are replaced (in a warm standby where the node keeps one), the
+survivors roll back in place to the newest state every rank holds, and nothing waits for a
+health check or a backoff. It is the path whenever every condition below holds; otherwise
+the job restarts every rank from the best tier, as before. The failure's journal entry
+names the path and, for a restart, the first condition that did not hold, so an operator
+sees why a failure cost a full restart.
+
+The decision is a pure function of the config, the journal's view, the failure and what
+the ranks last said; it changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.config import Config
+from orchestrator.jobview import JobView
+from orchestrator.state import Cause, NodeState
+from orchestrator.supervisor.nodes import NodeRegistry
+from orchestrator.supervisor.placement import Placement
+from orchestrator.supervisor.progress import GenerationProgress
+
+IN_JOB = "in_job"
+RESTART = "restart"
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Carried from STOPPING through RECOVERING to LAUNCHING: relaunch with the last
+    placement, the survivors rejoining in place and ``replace`` started anew."""
+
+    placement: Placement
+    replace: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Path:
+    """The recovery path of one failure, and why (for a restart: what ruled in-job out)."""
+
+    kind: str  # IN_JOB | RESTART
+    reason: str
+    replace: list[int] = field(default_factory=list)
+
+    @property
+    def in_job(self) -> bool:
+        return self.kind == IN_JOB
+
+
+def failed_ranks(cause: Cause, detail: dict[str, Any], exits: dict[int, dict[str, Any]]
+                 ) -> list[int]:
+    """The ranks a recovery must replace: those that exited with a failure, or, for a hang,
+    those that stopped beating (a blocked peer that still beats is a survivor)."""
+    if cause is Cause.WORKER_EXIT:
+        return sorted(r for r, e in exits.items() if e.get("exit_code") != 0 or e.get("signal"))
+    if cause is Cause.HANG:
+        return sorted({s["rank"] for s in detail.get("suspects") or [] if s.get("silent")})
+    return []
+
+
+def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any],
+                replace: list[int], progress: GenerationProgress | None,
+                nodes: NodeRegistry) -> Path:
+    """In-job when every condition holds, else a restart with the first one that did not."""
+
+    def restart(reason: str) -> Path:
+        return Path(RESTART, reason)
+
+    if not cfg.restart.in_job:
+        return restart("restart.in_job is off")
+    if cause not in (Cause.WORKER_EXIT, Cause.HANG):
+        return restart(f"a {cause.value} failure restarts every rank")
+    if cfg.job.master_port is not None:
+        return restart("job.master_port is fixed, and the in-place generation needs a "
+                       "rendezvous port of its own (use job.master_port_range)")
+    if not replace:
+        return restart("no rank to replace was named (every rank is stuck, or the failure "
+                       "has no rank)")
+    launch = view.launches[-1] if view.launches else None
+    if launch is None or failure.get("generation") != launch.get("generation"):
+        return restart("the failed generation is not the last one launched")
+    if launch.get("in_place") and launch["generation"] not in view.first_steps:
+        return restart(f"the in-job recovery into generation {launch['generation']} failed "
+                       "before its first step")
+    world = launch.get("world_size") or 0
+    if len(replace) >= world:
+        return restart("every rank failed")
+    if progress is None or progress.generation != launch["generation"]:
+        return restart("no progress of the failed generation is known")
+    unable = [r for r in range(world) if r not in replace and
+              not (progress.ranks.get(r) is not None and progress.ranks[r].recoverable)]
+    if unable:
+        return restart(f"rank(s) {unable[:8]} cannot rejoin in place (not using our trainer "
+                       "or the worker SDK's in-job recovery, or not beating)")
+    members: dict[str, int] = launch.get("nodes") or {}
+    for node_id in members:
+        node = nodes.nodes.get(node_id)
+        if node is None or node.state is not NodeState.ACTIVE:
+            state = node.state.value if node is not None else "gone"
+            return restart(f"node {node_id} of the generation is {state}")
+    return Path(IN_JOB, f"rank(s) {replace} replaced in place; the other "
+                        f"{world - len(replace)} roll back in their processes", replace)
+
+
+def placement_of(view: JobView) -> Placement:
+    """The last launch's placement, which an in-job recovery keeps."""
+    launch = view.launches[-1]
+    return Placement(dict(launch.get("nodes") or {}), list(launch.get("spares") or []))

@@ -1,0 +1,179 @@
+"""In-job recovery end to end: real supervisor, agents, gloo ranks, warm standbys.
+
+A rank's death or hang is recovered in place: the surviving ranks keep their processes (the
+journal's pids do not change), roll back to the newest state every rank holds, and train on
+with the replacement; the job ends bit-identical to an uninterrupted run. When the in-place
+recovery itself fails, the job falls back to a full restart, still bit-exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import (
+    assert_bit_identical,
+    final_state_dict,
+    journal,
+    states,
+    status,
+    up,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+IN_JOB = {"in_job": True}
+PREFIXES = ("app.model.", "app.optim.", "progress.", "data.", "schedule.")
+# Fast hang detection, as the hang tests have it: max(2 s, 3 x the largest step).
+HANG_TIMEOUTS = {"training_floor_s": 2.0, "training_multiplier": 3.0}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> dict:
+    tmp = tmp_path_factory.mktemp("ref")
+    cfg = write_config(tmp / "job.yaml", dataset_dir)
+    assert up(cfg, tmp / "run").returncode == 0
+    return final_state_dict(tmp / "run" / "checkpoints" / "t" / f"step-{STEPS:08d}")
+
+
+def pids(events: list[dict[str, Any]], generation: int) -> dict[int, int]:
+    """rank -> pid of ``generation``, from the agents' ``ranks_started``."""
+    return {r["rank"]: r["pid"] for e in events if e["kind"] == "ranks_started"
+            and e["generation"] == generation for r in e["ranks"]}
+
+
+def failures(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "failure"]
+
+
+def check_final(run: Path, reference: dict) -> None:
+    final = final_state_dict(run / "checkpoints" / "t" / f"step-{STEPS:08d}")
+    assert assert_bit_identical(reference, final, PREFIXES) > 30
+
+
+def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: Path,
+                                                   reference: dict) -> None:
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+                       chaos={"kill": [{"step": 17, "rank": 1}]})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    events = journal(run)
+    (failure,) = failures(events)
+    assert failure["cause"] == "worker_exit" and failure["rank"] == 1
+    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
+    # No health check and no stop: the survivors went straight on.
+    assert states(run) == ["PENDING", "HEALTH_CHECK", "LAUNCHING", "RUNNING", "STOPPING",
+                           "RECOVERING", "LAUNCHING", "RUNNING", "COMPLETED"]
+    launches = [e for e in events if e["kind"] == "generation_launched"]
+    assert launches[1]["in_place"] is True and launches[1]["replaced"] == [1]
+    first, second = pids(events, 1), pids(events, 2)
+    assert second[0] == first[0], "the surviving rank was restarted"
+    assert second[1] != first[1]
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert [e["rank"] for e in recovered] == [0]
+    assert recovered[0]["abandoned_step"] >= 17 and recovered[0]["step"] == 10
+    assert not [e for e in events if e["kind"] == "ranks_stopped"]
+    # The replacement started in the warm standby the agent kept for local rank 0.
+    log = (run / "logs" / "rank-00001.log").read_text()
+    assert "generation 2 rank 1 started" in log and "(warm spare)" in log.split(
+        "generation 2 rank 1 started")[1].splitlines()[0]
+    assert "rejoins in place" in (run / "logs" / "rank-00000.log").read_text()
+    st = status(run)
+    assert st["state"] == "COMPLETED" and st["last_step"] == STEPS
+    check_final(run, reference)
+
+
+def test_sigstop_hang_recovered_in_place(tmp_path: Path, dataset_dir: Path,
+                                         reference: dict) -> None:
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+                       timeouts=HANG_TIMEOUTS,
+                       chaos={"kill": [{"step": 23, "rank": 1, "signal": "SIGSTOP"}]})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    events = journal(run)
+    (failure,) = failures(events)
+    assert failure["cause"] == "hang" and failure["rank"] == 1
+    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
+    assert failure["stacks"], "stacks are still dumped before the hung rank is replaced"
+    first, second = pids(events, 1), pids(events, 2)
+    assert second[0] == first[0] and second[1] != first[1]
+    check_final(run, reference)
+
+
+def test_memory_tier_rollback_picks_the_step_every_rank_holds(tmp_path: Path,
+                                                              dataset_dir: Path,
+                                                              reference: dict) -> None:
+    # A memory copy every step: the killed rank may die before its newest copy commits
+    # while the survivor's has; the rollback takes the newest step both hold.
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+                       checkpoint={"memory_interval_steps": 1},
+                       chaos={"kill": [{"step": 26, "rank": 1}]})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    events = journal(run)
+    (failure,) = failures(events)
+    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
+    (recovered,) = [e for e in events if e["kind"] == "recovered"]
+    assert recovered["tier"] == "memory"
+    assert recovered["step"] in (25, 26), recovered  # not the durable tier's 20
+    assert pids(events, 2)[0] == pids(events, 1)[0]
+    check_final(run, reference)
+
+
+def test_a_standby_takes_over_twice_in_a_row(tmp_path: Path, dataset_dir: Path,
+                                             reference: dict) -> None:
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+                       checkpoint={"memory_interval_steps": 2},
+                       chaos={"kill": [{"step": 15, "rank": 1}, {"step": 31, "rank": 1}]})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    events = journal(run)
+    assert [f["recovery_path"] for f in failures(events)] == ["in_job", "in_job"]
+    gens = [pids(events, g) for g in (1, 2, 3)]
+    assert gens[0][0] == gens[1][0] == gens[2][0], "rank 0 was restarted"
+    assert len({g[1] for g in gens}) == 3
+    log = (run / "logs" / "rank-00001.log").read_text()
+    for generation in (2, 3):
+        header = log.split(f"generation {generation} rank 1 started")[1].splitlines()[0]
+        assert "(warm spare)" in header, header
+    check_final(run, reference)
+
+
+def test_a_failed_in_place_recovery_falls_back_to_a_full_restart(tmp_path: Path,
+                                                                 dataset_dir: Path,
+                                                                 reference: dict) -> None:
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+                       chaos={"kill": [{"step": 17, "rank": 1}], "fail_rejoin_rank": 0})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    events = journal(run)
+    paths = [(f["generation"], f["recovery_path"]) for f in failures(events)]
+    assert paths == [(1, "in_job"), (2, "restart")], paths
+    second = failures(events)[1]
+    assert "failed before its first step" in second["recovery_reason"]
+    assert any(e["kind"] == "recovery_failed" and "fail_rejoin_rank" in e.get("error", "")
+               for e in events)
+    # The restart: every rank in a new process, after a health check.
+    assert pids(events, 3)[0] != pids(events, 1)[0]
+    assert "HEALTH_CHECK" in states(run)[5:]
+    check_final(run, reference)
+
+
+def test_in_job_off_restarts_every_rank(tmp_path: Path, dataset_dir: Path) -> None:
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, trainer={"steps": 20},
+                       chaos={"kill": [{"step": 13, "rank": 1}]})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    events = journal(tmp_path / "run")
+    (failure,) = failures(events)
+    assert failure["recovery_path"] == "restart"
+    assert failure["recovery_reason"] == "restart.in_job is off"
+    assert pids(events, 2)[0] != pids(events, 1)[0]

@@ -1,0 +1,183 @@
+"""In-job recovery in our trainer: a surviving rank rejoins the next generation in place.
+
+When a peer dies (or hangs and is killed), this rank's next collective fails. Instead of
+exiting, the training loop hands the error to :meth:`Rejoin.recover`, which
+
+1. waits (bounded) for the agent's ``recover`` order (``orchestrator.worker.injob``); the
+   order's arrival already aborted this process's process groups (:func:`abort_groups`, from
+   the SDK's order thread), which unblocks a collective waiting on a peer that will never
+   answer (NCCL); on gloo the peer's death fails it at once;
+2. lets the save threads end (their collectives fail with the abort) and forgets their saves;
+3. destroys the old process groups and makes the new generation's, from the order's
+   environment (a fresh rendezvous store), in the order a starting rank makes them, and
+   points the model's FSDP2 state and our checkpoint and memory-tier parts at them;
+4. restores the newest state every rank holds (``trainer.restore``: the same collectives a
+   starting replacement runs, so the two meet in each), rolling model, optimizer, schedule,
+   data position and every RNG state back together;
+5. goes on training in the same interpreter: imports, the device context, the compiled
+   graphs and the page-locked memory-tier slots stay.
+
+Anything unexpected (no order in time, a thread that does not end, no state to roll back to,
+a restore that fails) raises :class:`RejoinFailed`: the rank says why (``recovery_failed``)
+and exits, and the supervisor falls back to a full restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator import chaos
+
+# An error of a collective whose peer is gone, as gloo and NCCL word it (their errors are
+# RuntimeErrors, or torch's DistError family in newer releases).
+_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                "Read error", "Write error", "Socket Timeout", "aborted", "Aborted",
+                "NCCL communicator", "ncclRemoteError", "ncclSystemError",
+                "ProcessGroupGloo", "ProcessGroupNCCL", "gloo", "Timed out waiting")
+# How long the save threads get to end once the groups are aborted (they fail at once; a
+# thread past this is stuck, and a stuck thread would stall the new generation's groups).
+_DRAIN_S = 10.0
+
+Log = Callable[[str], None]
+
+
+class RejoinFailed(RuntimeError):
+    """The rank could not rejoin in place (the job falls back to a full restart)."""
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because a peer is gone (or the groups were
+    aborted for a recovery), not this rank's own error."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_ERRORS)
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process, without a collective: a thread blocked in
+    one of their operations gets an error. Safe from any thread (NVRx's in-process restart
+    aborts from its monitor thread the same way)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        with contextlib.suppress(Exception):  # already aborted, or a backend without abort
+            pg.abort()
+
+
+@dataclass
+class Rejoin:
+    """What a survivor needs beyond the loop's parts to rejoin in place: the settings (the
+    process groups' spec, the config hash), the backend (its model's process-group state),
+    and the real checkpointer and stepper (the loop's may be fault-injection proxies)."""
+
+    settings: Any
+    backend: Any
+    checkpointer: Any
+    stepper: Any
+    wait_s: float
+    log: Log
+
+    def enable(self, worker: Any) -> None:
+        worker.injob.enable(abort_groups)
+
+    def recover(self, p: Any, exc: BaseException) -> bool:
+        """Rejoin the next generation after ``exc``; False when ``exc`` is not a peer's
+        failure (the caller raises it). Raises :class:`RejoinFailed` when it cannot."""
+        worker = p.worker
+        injob = worker.injob
+        if not injob.enabled or not (injob.pending() is not None or peer_failure(exc)):
+            return False
+        t0 = time.perf_counter()
+        abandoned = p.progress.step
+        from_generation = worker.ctx.generation
+        self.log(f"collective failed at step {abandoned + 1} ({type(exc).__name__}: "
+                 f"{str(exc)[:200]}); waiting for the in-job recovery order")
+        try:
+            with worker.phase("loading"):
+                order = injob.wait(self.wait_s)
+                if order is None:
+                    raise RejoinFailed(f"no recover order within {self.wait_s:.0f} s "
+                                       "(restart.in_job_wait_s)") from exc
+                t_wait = time.perf_counter()
+                abort_groups()
+                self._drain(p)
+                if p.memory is not None:  # verified while the new groups meet
+                    p.memory.digest_ahead()
+                t_abort = time.perf_counter()
+                self._new_groups(p, injob.take() or order)
+                t_group = time.perf_counter()
+                if chaos.fails_rejoin(worker.ctx.chaos, p.dctx.rank):
+                    raise RejoinFailed(chaos.REJOIN_FAILURE)
+                tier = self._restore(p)
+        except RejoinFailed as failed:
+            worker.event("recovery_failed", error=str(failed)[:4000])
+            raise
+        except Exception as other:  # noqa: BLE001 - any other error: the same fallback
+            worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
+            raise RejoinFailed(f"in-place recovery failed: {other}") from other
+        done = time.perf_counter()
+        worker.event("recovered", step=p.progress.step, abandoned_step=abandoned,
+                     from_generation=from_generation, tier=tier,
+                     wait_s=round(t_wait - t0, 6), abort_s=round(t_abort - t_wait, 6),
+                     group_s=round(t_group - t_abort, 6), restore_s=round(done - t_group, 6),
+                     total_s=round(done - t0, 6))
+        self.log(f"recovered in place: generation {worker.ctx.generation}, back to step "
+                 f"{p.progress.step} from {abandoned} ({tier} tier) in {done - t0:.2f} s")
+        return True
+
+    def _drain(self, p: Any) -> None:
+        """The save threads end (their collectives fail with the abort); their saves are
+        forgotten. A thread still running after ``_DRAIN_S`` would use the new groups'
+        names with the old state: the recovery gives up instead."""
+        if not self.checkpointer.abandon(_DRAIN_S):
+            raise RejoinFailed(f"the checkpoint save in flight did not end within {_DRAIN_S} s "
+                               "of the abort")
+        if p.memory is not None and not p.memory.abandon(_DRAIN_S):
+            raise RejoinFailed(f"the memory tier's commit did not end within {_DRAIN_S} s of "
+                               "the abort")
+
+    def _new_groups(self, p: Any, order: Any) -> None:
+        """The new generation's process groups, made in the order a starting rank makes
+        them (the replacement's, which meets ours in each rendezvous), and every holder of
+        the old ones pointed at them."""
+        import torch.distributed as dist
+
+        from trainer.distributed import init_distributed, new_memory_group
+
+        dist.destroy_process_group()
+        p.worker.join_generation(order)
+        fresh = init_distributed(self.settings.trainer)
+        if (fresh.rank, fresh.world_size) != (p.dctx.rank, p.dctx.world_size):
+            raise RejoinFailed(f"the order makes this rank {fresh.rank} of {fresh.world_size}"
+                               f", not {p.dctx.rank} of {p.dctx.world_size}")
+        dctx = p.dctx
+        dctx.ckpt_group, dctx.control_group = fresh.ckpt_group, fresh.control_group
+        self.checkpointer.group = dctx.ckpt_group
+        if p.memory is not None:
+            p.memory.group = new_memory_group(dctx)
+            p.memory.generation = p.worker.ctx.generation
+        self.backend.rejoin(self.stepper, dctx)
+
+    def _restore(self, p: Any) -> str:
+        """Collective: the newest state every rank holds, into this rank's live parts."""
+        from trainer import restore
+
+        found = restore.choose(p.memory, self.checkpointer, p.dctx, None, self.log)
+        if found.empty:
+            raise RejoinFailed("no checkpoint to roll back to (the memory tier and the "
+                               "durable tier hold none)")
+        self.backend.reset_step_state(self.stepper)
+        manifest = restore.load(found, p.memory, self.checkpointer, p.checkpoint_state,
+                                p.dctx, None, p.progress, self.settings.config_hash)
+        if manifest is None:
+            raise RejoinFailed("the chosen checkpoint did not load")
+        restore.announce(found, manifest, self.checkpointer, p.dctx, p.worker, self.log,
+                         p.progress, self.settings.config_hash)
+        note = found.tier_note
+        return note["tier"] if note is not None else "durable"

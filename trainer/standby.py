@@ -1,0 +1,82 @@
+"""A warm standby's preparation: what a replacement rank can do before it knows it is one.
+
+The agent keeps one spare interpreter per local rank with the trainer imported
+(``orchestrator.worker.warm``); with ``restart.standby`` it then runs :func:`prepare`, and
+the spare waits, ready to take a dead rank's place in an in-job recovery. On a GPU node that
+means the CUDA context of its device (a few hundred MB of GPU memory and about a second,
+paid now, not in the recovery), the job's compile cache loaded into the compiler's
+in-memory caches, and the rank's memory-tier slots mapped and page-locked, so the restore
+copies host-to-device at full speed. Nothing model-sized is allocated on the GPU: the rank
+that died may still hold its memory while its process is torn down.
+
+Everything here is best effort: a step that fails leaves the spare as a plain pre-imported
+one, and the rank it becomes does the same work on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator import envcontract as ec
+
+# What this process prepared, for the rank it becomes (read by the memory tier and the
+# start-up breakdown).
+PREPARED: dict[str, Any] = {}
+
+
+def prepare(local_rank: int) -> None:
+    """Device context, compile cache, page-locked memory slots (see the module)."""
+    t0 = time.time()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # the context and the allocator, not the model
+        PREPARED["device"] = f"cuda:{torch.cuda.current_device()}"
+    cache = compile_cache_path(os.environ)
+    if cache is not None and cache.is_file():
+        PREPARED["compile_cache"] = load_compile_cache(cache)
+    memory = ec.AgentEnv.from_env(os.environ).memory_dir
+    rank = ec.get_int(os.environ, "RANK", None, minimum=0)
+    if memory and rank is not None and torch.cuda.is_available():
+        from trainer.checkpoint.memory_slots import pin_own_slots
+
+        PREPARED["pinned_bytes"] = pin_own_slots(Path(memory), rank)
+    PREPARED["prepare_s"] = time.time() - t0
+
+
+def compile_cache_path(env: Any) -> Path | None:
+    """The job's compile cache (``torch.compiler.save_cache_artifacts``'s bytes), kept in
+    the run directory: every new rank and standby loads it before its first compile."""
+    run_dir = ec.AgentEnv.from_env(env).run_dir
+    return Path(run_dir) / "compile-cache" / "artifacts.bin" if run_dir else None
+
+
+def load_compile_cache(path: Path) -> int:
+    """Load the cache's artifacts into this process's compiler caches; their size."""
+    import torch
+
+    data = path.read_bytes()
+    if data:
+        torch.compiler.load_cache_artifacts(data)
+    return len(data)
+
+
+def save_compile_cache(path: Path) -> int | None:
+    """Write this process's compile artifacts (after its first compiled steps) for the next
+    ranks and standbys, atomically; their size, or None when there are none."""
+    import torch
+
+    saved = torch.compiler.save_cache_artifacts()
+    if not saved:
+        return None
+    data, _info = saved
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return len(data)
