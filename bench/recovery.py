@@ -68,6 +68,39 @@ PROFILES: dict[str, dict[str, Any]] = {
     "cpu-old": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
         "trainer.steps=200", "timeouts.training_floor_s=2", "restart.backoff_initial_s=0.5",
         "job.warm_start=false"]},
+    # Both recovery paths on 1 node x 2 GPUs over NCCL, the 1.14B model compiled at
+    # micro-batch 8 with the memory tier every 10 steps (6.8 GB a rank): three SIGKILLs (rank
+    # 1, rank 0 (the store's host), rank 1 again) and one SIGSTOP per run, the in-job run and
+    # the full-restart run in the same call (``--paths``).
+    "gpu2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
+             "free_steps": 0, "injections": [(130, 1, "SIGKILL"), (200, 0, "SIGKILL"),
+                                            (270, 1, "SIGKILL"), (340, 0, "SIGSTOP")],
+             "sets": [
+                 "cluster.procs_per_node=2", "trainer.steps=400",
+                 "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=true",
+                 "checkpoint.interval_steps=100", "checkpoint.keep_last=2",
+                 "checkpoint.memory_interval_steps=10",
+                 "checkpoint.memory_max_bytes=68719476736",
+                 "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
+                 "timeouts.training_multiplier=3", "job.warm_start=true",
+                 "health.preflight=quick", "restart.backoff_initial_s=0.5"]},
+    # Both paths on this CPU (the embedded default's 2 simulated nodes, gloo).
+    "cpu-paths": {"config": None, "kill_step": 0, "stop_step": 0, "free_steps": 0,
+                  "injections": [(60, 1, "SIGKILL"), (100, 0, "SIGKILL"), (140, 1, "SIGKILL"),
+                                 (180, 0, "SIGSTOP")],
+                  "sets": ["trainer.steps=220", "checkpoint.memory_interval_steps=10",
+                           "timeouts.training_floor_s=2",
+                           "timeouts.training_floor_calibrated_s=1",
+                           "timeouts.training_multiplier=3", "restart.backoff_initial_s=0.5"]},
+    # A smoke run of the in-job path on 2 GPUs: a small model, no compile, one kill.
+    "gpu2-smoke": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
+                   "free_steps": 0, "injections": [(30, 1, "SIGKILL"), (50, 0, "SIGKILL")],
+                   "sets": [
+                       "cluster.procs_per_node=2", "trainer.steps=70",
+                       "trainer.model.preset=tiny", "trainer.data.seq_len=256",
+                       "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=false",
+                       "checkpoint.interval_steps=20", "checkpoint.memory_interval_steps=5",
+                       "job.warm_start=true", "health.preflight=quick"]},
     "h200x2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 250, "stop_step": 400,
                "free_steps": 100, "sets": [
                    "cluster.procs_per_node=2", "trainer.steps=560",
@@ -129,6 +162,74 @@ def breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, 
     if exits:
         out["agent_saw_exit_s"] = min(x["exit_ts"] for x in exits) - kill
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, Any]:
+    """One in-job recovery, from the kill (or stop) to the next step done:
+
+        detection   kill -> STOPPING (agent's exit report, or the hang timeout)
+        decision    STOPPING -> the next generation launched in place
+        takeover    launched -> the replacement's process handed its rank (its standby)
+        survivors   their wait for the order, abort, new groups, restore (``recovered``)
+        replacement its imports, process group, build + restore, first step (``startup``)
+        total       kill -> the next step done (rank 0's first step of the new generation)
+    """
+    kill = chaos["ts"]
+    stopping = _first(events, kill, kind="transition", to="STOPPING")
+    failure = _first(events, kill, kind="failure")
+    launched = _first(events, stopping["ts"], kind="generation_launched")
+    gen = launched["generation"]
+    first = next((e for e in events if e["kind"] == "first_step" and e["generation"] == gen),
+                 None)
+    out: dict[str, Any] = {
+        "signal": chaos["signal"], "rank": chaos.get("rank"), "at_step": chaos["step"],
+        "detected_as": stopping["cause"], "path": failure.get("recovery_path"),
+        "path_reason": failure.get("recovery_reason"), "detection_s": stopping["ts"] - kill,
+        "decision_s": launched["ts"] - stopping["ts"],
+        "total_s": first["step_ts"] - kill if first and first.get("step_ts") else None}
+    survivors = [e for e in events if e["kind"] == "recovered" and e.get("generation") == gen]
+    if survivors:
+        slowest = max(survivors, key=lambda e: e["total_s"])
+        out["survivors"] = {k: slowest[k] for k in ("rank", "wait_s", "abort_s", "group_s",
+                                                   "restore_s", "total_s", "tier", "step")}
+        out["survivors"]["rejoined_s"] = slowest["ts"] - kill
+    starts = [e for e in events if e["kind"] == "startup" and e.get("generation") == gen]
+    if starts:
+        st = starts[0]
+        out["replacement"] = {
+            "rank": st.get("rank"), "standby": st.get("warm"),
+            "takeover_s": st["process_start"] - launched["ts"],
+            "imports_s": st["imports_done"] - st["main"],
+            "dist_init_s": st["dist_ready"] - st["imports_done"],
+            "build_load_s": st["built"] - st["dist_ready"],
+            "first_step_s": st["first_step_done"] - st["built"]}
+    return _rounded(out)
+
+
+def _rounded(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _rounded(v) for k, v in d.items()}
+    return round(d, 3) if isinstance(d, float) else d
+
+
+def step_blocking(run: Path) -> dict[str, Any]:
+    """Training's blocking time for saves, per step (both tiers together), from the steps."""
+    path = run / "steps.jsonl"
+    blocks = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("ckpt_block_s") is not None:
+                blocks.append({"step": r["step"], "block_s": r["ckpt_block_s"],
+                               "mem_block_s": r.get("mem_block_s")})
+    values = sorted(b["block_s"] for b in blocks)
+    both = [b for b in blocks if b["mem_block_s"] is not None and
+            b["block_s"] > b["mem_block_s"] + 1e-9]
+    return {"saving_steps": len(blocks), "max_s": values[-1] if values else None,
+            "median_s": values[len(values) // 2] if values else None,
+            "over_0_2_s": [b for b in blocks if b["block_s"] > TARGET_SAVE_BLOCK_S][:20],
+            "both_tiers_max_s": max((b["block_s"] for b in both), default=None),
+            "both_tiers_steps": len(both)}
 
 
 def calibrations(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -226,6 +327,59 @@ def with_faults(config: str | None, sets: list[str], kill: int, stop: int,
             "saves": save_stalls(events), "run_dir": str(run)}
 
 
+def with_injections(config: str | None, sets: list[str], injections: list, path: str,
+                    timeout: float) -> dict:
+    """A run with ``injections`` (step, rank, signal), recovering by ``path`` (in_job or
+    restart), each recovery broken down."""
+    kills = ", ".join("{step: %d, rank: %d, signal: %s}" % i for i in injections)
+    run, wall = run_job(config, [*sets, f"restart.in_job={'true' if path == 'in_job' else 'false'}",
+                                 f"chaos.kill=[{kills}]"], timeout)
+    events = _events(run)
+    chaos = [c for c in events if c["kind"] == "chaos"]
+    recoveries = []
+    for c in chaos:
+        try:
+            recoveries.append(in_job_breakdown(events, c) if path == "in_job"
+                              else breakdown(events, c))
+        except LookupError as exc:
+            recoveries.append({"signal": c.get("signal"), "at_step": c.get("step"),
+                               "error": str(exc)})
+    failures = [{k: e.get(k) for k in ("generation", "cause", "rank", "recovery_path",
+                                       "recovery_reason")}
+                for e in events if e["kind"] == "failure"]
+    return {"path": path, "wall_s": round(wall, 1), "median_step_s": median_step(run),
+            "recoveries": recoveries, "failures": failures,
+            "calibrations": calibrations(events), "saves": save_stalls(events),
+            "step_blocking": step_blocking(run), "run_dir": str(run)}
+
+
+def path_targets(step: float | None, runs: list[dict]) -> dict[str, Any]:
+    """The in-job targets: SIGKILL -> next step done <= 2 s median (1 s aim), SIGSTOP ->
+    next step done <= the hang bound (3 x step + 2 s) + 2 s, every step's blocking <= 0.2 s."""
+    out: dict[str, Any] = {}
+    for r in runs:
+        kills = [x["total_s"] for x in r["recoveries"]
+                 if x.get("signal") == "SIGKILL" and x.get("total_s") is not None]
+        stops = [x for x in r["recoveries"] if x.get("signal") == "SIGSTOP"]
+        bound = round(3 * (step or 0.0) + 2.0, 3)
+        out[r["path"]] = {
+            "sigkill_to_next_step_s": kills,
+            "sigkill_median_s": round(statistics.median(kills), 3) if kills else None,
+            "sigstop_detected_s": [x.get("detection_s") for x in stops],
+            "sigstop_to_next_step_s": [x.get("total_s") for x in stops],
+            "hang_bound_s": bound,
+            "step_blocking_max_s": r["step_blocking"]["max_s"]}
+    ij = out.get("in_job")
+    if ij is not None:
+        ij["sigkill_median_met_2s"] = ij["sigkill_median_s"] is not None and \
+            ij["sigkill_median_s"] <= 2.0
+        ij["sigstop_met"] = all(t is not None and t <= ij["hang_bound_s"] + 2.0
+                                for t in ij["sigstop_to_next_step_s"])
+        ij["blocking_met"] = ij["step_blocking_max_s"] is not None and \
+            ij["step_blocking_max_s"] <= TARGET_SAVE_BLOCK_S
+    return out
+
+
 def targets(free: dict, faults: dict) -> dict[str, Any]:
     step = faults["median_step_s"] or 0.0
     kill = next((r for r in faults["recoveries"] if r["signal"] == "SIGKILL"), {})
@@ -261,6 +415,11 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for both jobs together (a job is cut when it is spent)")
     ap.add_argument("--device", default=None, help="device name for the report")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated recovery paths to run with the profile's injections "
+                         "(in_job,restart); each in its own run of this call")
+    ap.add_argument("--standby-ab", type=int, default=0,
+                    help="steps of two fault-free runs, standbys on and off (tokens/s)")
     ap.add_argument("--out", default="recovery-cpu.json")
     args = ap.parse_args()
     profile = PROFILES[args.profile]
@@ -276,6 +435,8 @@ def main() -> int:
             return args.timeout
         return min(args.timeout, args.budget - (time.monotonic() - t0))
 
+    if args.paths:
+        return compare_paths(args, config, sets, profile, limit)
     free = fault_free(config, sets, free_steps, limit()) if free_steps else None
     faults = with_faults(config, sets, kill, stop, limit())
     report = {**header(args.device), "profile": args.profile,
@@ -289,6 +450,97 @@ def main() -> int:
               "wall_s": round(time.monotonic() - t0, 1)}
     path = write(Path(args.out).name, report)
     print(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+class StandbySampler:
+    """Every few seconds while a job runs: the warm standbys' host memory (RSS of the
+    ``orchestrator.worker.warm`` processes) and every process's GPU memory (nvidia-smi),
+    the largest of each kept."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        import threading
+
+        self.standby_rss: dict[int, int] = {}
+        self.gpu_mib: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._every = every_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    cmd = Path(entry.path, "cmdline").read_bytes()
+                    if b"orchestrator.worker.warm" not in cmd:
+                        continue
+                    for line in Path(entry.path, "status").read_text().splitlines():
+                        if line.startswith("VmRSS:"):
+                            kb = int(line.split()[1])
+                            pid = int(entry.name)
+                            self.standby_rss[pid] = max(self.standby_rss.get(pid, 0), kb * 1024)
+                except (OSError, ValueError):
+                    continue
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                      "--format=csv,noheader,nounits"], capture_output=True,
+                                     text=True, timeout=20).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            for line in out.splitlines():
+                try:
+                    pid, mib = (int(x) for x in line.split(","))
+                except ValueError:
+                    continue
+                self.gpu_mib[pid] = max(self.gpu_mib.get(pid, 0), mib)
+
+    def report(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        standbys = sorted(self.standby_rss)
+        return {"standby_pids": standbys,
+                "standby_rss_bytes": [self.standby_rss[p] for p in standbys],
+                "standby_gpu_mib": [self.gpu_mib.get(p) for p in standbys],
+                "gpu_mib_by_pid": self.gpu_mib}
+
+
+def compare_paths(args: argparse.Namespace, config: str | None, sets: list[str],
+                  profile: dict[str, Any], limit: Any) -> int:
+    """The profile's injections once per recovery path, in this one call (the same device
+    and software for both), and optionally fault-free runs with standbys on and off."""
+    t0 = time.monotonic()
+    runs = [with_injections(config, sets, profile["injections"], path, limit())
+            for path in args.paths.split(",") if path != "none"]
+    standby = None
+    if args.standby_ab:
+        sampler = StandbySampler()
+        on = fault_free(config, [*sets, "restart.standby=true"], args.standby_ab, limit())
+        cost = sampler.report()
+        # Without: no spare interpreter at all (the standby's imports, context and pinned
+        # slots all cost something beside the ranks).
+        off = fault_free(config, [*sets, "restart.standby=false", "job.warm_start=false"],
+                         args.standby_ab, limit())
+        ratio = on["median_step_s"] / off["median_step_s"] \
+            if on["median_step_s"] and off["median_step_s"] else None
+        standby = {"with_standbys": on, "without_standbys": off, "cost": cost,
+                   "step_time_ratio": round(ratio, 4) if ratio else None,
+                   "within_1pct": ratio is not None and ratio <= 1.01}
+    step = next((r["median_step_s"] for r in runs if r["median_step_s"]), None)
+    report = {**header(args.device), "profile": args.profile,
+              "config": config or "configs/local.yaml", "overrides": sets,
+              "injections": profile["injections"], "median_step_s": step,
+              "runs": runs, "standby": standby, "targets": path_targets(step, runs),
+              "wall_s": round(time.monotonic() - t0, 1)}
+    path = write(Path(args.out).name, report)
+    print(json.dumps({"targets": report["targets"],
+                      "recoveries": {r["path"]: r["recoveries"] for r in runs},
+                      "standby": {k: v for k, v in (standby or {}).items()
+                                  if k not in ("with_standbys", "without_standbys")}},
+                     indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -71,6 +71,26 @@ elif [ "$part" = G ]; then
   python3 bench/offload_fp8_gpu.py --parts deepspeed \
     --out offload-deepspeed-gpu-h100.json 2>&1 | tail -8
   cp bench/results/offload-deepspeed-gpu-h100.json "$out/" 2>/dev/null
+elif [ "$part" = S ]; then
+  # In-job recovery smoke on 2 GPUs (NCCL): a tiny model, two kills, the in-job path only.
+  python3 bench/recovery.py --profile gpu2-smoke --paths in_job --device "$(nvidia-smi \
+    --query-gpu=name --format=csv,noheader | head -1) x2" --budget 240 \
+    --out recovery-gpu2-smoke.json 2>&1 | tail -60
+  cp bench/results/recovery-gpu2-smoke.json "$out/" 2>/dev/null
+elif [ "$part" = R ]; then
+  # Both recovery paths, same call, same cards: the 1.14B model compiled at micro-batch 8,
+  # memory tier on, three SIGKILLs and a SIGSTOP per run (in-job, then full restart).
+  python3 bench/recovery.py --profile gpu2 --paths in_job,restart --device "$(nvidia-smi \
+    --query-gpu=name --format=csv,noheader | head -1) x2" --budget 560 \
+    --out recovery-gpu2-paths.json 2>&1 | tail -80
+  cp bench/results/recovery-gpu2-paths.json "$out/" 2>/dev/null
+elif [ "$part" = T ]; then
+  # Standbys' cost: two fault-free runs, standbys on and off (tokens/s within 1 %).
+  python3 bench/recovery.py --profile gpu2 --paths none --standby-ab 300 --device \
+    "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x2" --budget 560 \
+    --out recovery-gpu2-standby.json 2>&1 | tail -30
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee "$out/apps.txt"
+  cp bench/results/recovery-gpu2-standby.json "$out/" 2>/dev/null
 elif [ "$part" = H ]; then
   # 1 node x 2 GPUs over NCCL, the 1.14B model compiled at micro-batch 8: a fault-free run
   # (no failure in its journal; its only save is a generation's first) and a run with a

@@ -30,6 +30,7 @@ ORCH_IN_JOB_WAIT_S             supervisor      in-job recovery on: how long a ra
 ORCH_HEALTH_NET                agent           the network check's spec (JSON object)
 ORCH_HEALTH_OUT                agent           where the network check writes its report
 ORCH_WARM_HANDOFF_TS           warm spare      wall time a spare was handed its rank
+ORCH_REPLACEMENT               agent           '1': the rank replaces a failed one in place
 ORCH_HOOK_PID                  preload hook    pid of the rank the hook serves (children skip)
 ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled)
 ORCH_CHECKPOINT_KEY_FILE       supervisor      path of the checkpoint signing key file
@@ -66,6 +67,7 @@ IN_JOB_WAIT_S = "ORCH_IN_JOB_WAIT_S"
 HEALTH_NET = "ORCH_HEALTH_NET"
 HEALTH_OUT = "ORCH_HEALTH_OUT"
 WARM_HANDOFF_TS = "ORCH_WARM_HANDOFF_TS"
+REPLACEMENT = "ORCH_REPLACEMENT"
 HOOK_PID = "ORCH_HOOK_PID"
 MEMORY_DIR = "ORCH_MEMORY_DIR"  # the node's memory-tier directory (the agent's to own)
 CHECKPOINT_KEY = "ORCH_CHECKPOINT_KEY"  # read by trainer.checkpoint.signing
@@ -292,6 +294,16 @@ def read_health_env(env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
     if out is None:
         raise EnvError(HEALTH_OUT, "", "the directory for the network check's report")
     return get_json_object(env, HEALTH_NET), out
+
+
+def replacement_env() -> dict[str, str]:
+    """The agent's mark on a rank it started to replace a failed one in an in-job recovery
+    (the rank reports its start-up breakdown then, as rank 0 does at every start)."""
+    return {REPLACEMENT: "1"}
+
+
+def is_replacement(env: Mapping[str, str]) -> bool:
+    return env.get(REPLACEMENT) == "1"
 
 
 def handoff_ts(env: Mapping[str, str]) -> float | None:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from orchestrator import chaos
+from orchestrator import envcontract as ec
 from orchestrator.worker import Worker, WorkerContext
 from trainer import restore
 from trainer.backends import Backend, backend_for
@@ -115,7 +116,6 @@ def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerCo
         return None
     from pathlib import Path
 
-    from orchestrator import envcontract as ec
     from trainer.checkpoint.memory import MemoryTier
 
     return MemoryTier(Path(ctx.memory_dir), rank=dctx.rank, world_size=dctx.world_size,
@@ -204,6 +204,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                   worker, settings.checkpoint.interval_steps, log, guard)
     parts.memory = memory
     parts.memory_interval = settings.checkpoint.memory_interval_steps or 0
+    parts.replacement = ec.is_replacement(os.environ)
     parts.rejoin = build_rejoin(settings, dctx, ctx, worker, backend, checkpointer, stepper,
                                 log)
     if cfg.parallelism.compile and ctx.managed and dctx.local_rank == 0:

@@ -46,6 +46,7 @@ class Parts:
     # them once, after a few steps) for later ranks and warm standbys to load.
     compile_cache: Any = None
     steps_run: int = 0  # steps this process has trained (its compiled graphs are warm)
+    replacement: bool = False  # this rank replaced a failed one in an in-job recovery
 
     @property
     def model(self) -> nn.Module:
@@ -145,7 +146,7 @@ def _one_step(p: Parts, first: bool) -> bool:
     """Train one step, save when due, report it; True when the ranks agreed to stop."""
     cfg = p.cfg
     rec = train_step(p)
-    if first and p.startup is not None and p.dctx.is_main:
+    if first and p.startup is not None and (p.dctx.is_main or p.replacement):
         # Where a (re)start's seconds went: process start, imports, process group,
         # build + restore, first step (the recovery benchmark reads this).
         p.worker.event("startup", first_step_done=time.time(), **p.startup)
@@ -168,15 +169,24 @@ def _one_step(p: Parts, first: bool) -> bool:
     step = p.progress.step
     agreed = _agree(p)
     stop = agreed.stop
-    if step % p.checkpoint_interval == 0 or step == cfg.steps or stop:
+    durable = step % p.checkpoint_interval == 0 or step == cfg.steps or stop
+    if durable:
         with p.worker.phase("checkpointing"):
+            t0 = time.perf_counter()
+            if p.memory is not None:
+                p.memory.wait_staging()  # a commit may still read the last save's staging
+            waited = time.perf_counter() - t0
             rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
-                                                      p.progress.tokens)
+                                                      p.progress.tokens) + waited
     if p.memory is not None and (step % p.memory_interval == 0 or stop):
         with p.worker.phase("checkpointing"):
-            rec["mem_block_s"] = p.memory.save(step, p.progress.tokens,
-                                               p.checkpoint_state,
-                                               keep=agreed.memory_common)
+            # Both tiers at one step: the memory copy comes from the durable save's host
+            # staging, in the background (one device-to-host copy blocks training).
+            staged = p.checkpointer.staged_state(step) if durable else None
+            rec["mem_block_s"] = p.memory.save_staged(
+                step, p.progress.tokens, staged, keep=agreed.memory_common) \
+                if staged is not None else p.memory.save(
+                    step, p.progress.tokens, p.checkpoint_state, keep=agreed.memory_common)
         # The books count both as the save's blocking time.
         rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
         if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds

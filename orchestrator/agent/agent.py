@@ -204,6 +204,11 @@ class Agent:
             if not self._registered.is_set():
                 continue
             generation, records = self.hub.take_records()
+            if records and self.ranks is not None and generation != self.ranks.generation:
+                # A rank that rejoined in place may still relay its abandoned steps: they
+                # are not the new generation's (the supervisor takes a beat's records as
+                # its generation's).
+                records = []
             # One bad record (a user's metric that is a list, a 10 kB string) must not make
             # the beat unsendable, nor end this loop: it is dropped, and said once a beat.
             records, dropped = keep_valid_records(records)

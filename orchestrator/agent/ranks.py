@@ -26,6 +26,7 @@ from orchestrator.agent.rank_env import (
     read_error_file,
 )
 from orchestrator.agent.warm import SpareKind, WarmPool
+from orchestrator.envcontract import replacement_env
 from orchestrator.protocol import Assignment, RankInfo
 
 # Exit codes of a rank that never started, as a shell reports them.
@@ -214,7 +215,7 @@ class RankSet:
         return [r.info() for r in self.ranks]
 
     async def _spawn(self, local_rank: int, spare: asyncio.subprocess.Process | None,
-                     note: str = "") -> Rank:
+                     note: str = "", extra_env: dict[str, str] | None = None) -> Rank:
         """Start local rank ``local_rank`` of this generation, in ``spare`` when given,
         with its log and error file, and watch it."""
         a = self.assignment
@@ -233,14 +234,15 @@ class RankSet:
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
                       f"{' (warm spare)' if spare is not None else ''}{note} ====\n".encode())
             offset = log.tell()
+            env = {**self._env(local_rank), **(extra_env or {})}
             if spare is not None and module is not None:
                 proc = spare
-                await WarmPool.hand_off(proc, module[0], module[1], self._env(local_rank),
-                                        str(log_path), cwd=str(cwd or os.getcwd()))
+                await WarmPool.hand_off(proc, module[0], module[1], env, str(log_path),
+                                        cwd=str(cwd or os.getcwd()))
             else:
                 try:
                     proc = await asyncio.create_subprocess_exec(
-                        *a.entrypoint, env=self._env(local_rank), cwd=cwd,
+                        *a.entrypoint, env=env, cwd=cwd,
                         stdin=asyncio.subprocess.DEVNULL, stdout=log,
                         stderr=asyncio.subprocess.STDOUT, start_new_session=True,
                         preexec_fn=_die_with_parent)
@@ -291,7 +293,8 @@ class RankSet:
             if r is None:
                 forget(a.rank_offset + local_rank)
                 ranks.append(await self._spawn(local_rank, spares.get(local_rank),
-                                               note=" (replacing a failed rank in place)"))
+                                               note=" (replacing a failed rank in place)",
+                                               extra_env=replacement_env()))
                 continue
             r.generation = a.generation
             r.error_path = error_file(self.setup.run_dir, a.generation, r.rank)

@@ -150,8 +150,13 @@ class GenerationParts:
         key_home = signing.default_key_path(root).parent if root and (
             "://" not in root or root.startswith("file://")) else self.ctx.rundir.root
 
+        # In-job recovery: NCCL's watchdog aborts a communicator whose peer failed and
+        # raises in the rank (2, CleanUpOnly) instead of ending the process (torchrun's 1,
+        # TearDown), so a survivor lives to rejoin.
+        nccl = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"} if self.cfg.restart.in_job else {}
         return {
             **({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}),
+            **nccl,
             **self.cfg.job.env,
             **signing.generation_env(key_home, self.cfg.job.env),
             **GenerationEnv(

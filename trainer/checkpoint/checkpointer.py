@@ -346,6 +346,15 @@ class Checkpointer:
             print(f"checkpoint step {p.step}: write failed on this rank: "
                   f"{explain_failure(exc, p.url)}", flush=True)
 
+    def staged_state(self, step: int) -> dict[str, Any] | None:
+        """The host copy the save of ``step`` staged (each part's state dict off the
+        device), while that save is the one in flight; None when it kept no copy."""
+        p, writer = self._pending, self._staging_writer
+        if p is None or p.step != step or writer is None:
+            return None
+        staged = getattr(writer, "state_dict_cache", None)
+        return staged if isinstance(staged, dict) and staged else None
+
     def abandon(self, timeout: float) -> bool:
         """Forget the save in flight when an in-job recovery aborted the process groups:
         wait (up to ``timeout`` s for each of its two threads) for it to end, failed by the

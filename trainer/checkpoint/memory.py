@@ -87,6 +87,16 @@ def _from_slot(data: Any, offset: int, dst: torch.Tensor, dtype: torch.dtype) ->
         dst.copy_(src.view(dst.shape), non_blocking=True)
 
 
+class _Staged:
+    """A part of the durable tier's staged copy, as the memory tier reads a live part."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def state_dict(self) -> Any:
+        return self._value
+
+
 @dataclass
 class Plan:
     """The collective decision of a restore (the same on every rank)."""
@@ -139,6 +149,7 @@ class MemoryTier:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
         self._pending: concurrent.futures.Future | None = None
         self._preparation: concurrent.futures.Future | None = None  # prepare_saves's
+        self._reading_staging: concurrent.futures.Future | None = None  # save_staged's
 
     @property
     def trust(self) -> signing.Trust | None:
@@ -184,6 +195,44 @@ class MemoryTier:
             self._prepared, prepare = True, staged.data_bytes
         self._pending = self._executor.submit(self._commit, slot, buf, staged, prepare)
         return time.perf_counter() - t0
+
+    def save_staged(self, step: int, tokens: int, staged: dict[str, Any],
+                    keep: int | None = None) -> float:
+        """At a step the durable tier saves too: copy the state from that save's host
+        staging (``staged``: each part's state dict, already copied off the device) in the
+        commit thread, so training waits for one device-to-host copy, the durable tier's,
+        not two. The staging stays untouched until the durable tier's next save, which waits
+        for this commit first (``wait``). Returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self.disabled_reason is not None:
+            return 0.0
+        slot = self._target("own", self.rank, keep)
+        buf = self.slots.map("own", self.rank, slot)
+        if buf is None:
+            self._disable(f"the agent made no slot {mf.slot_name('own', self.rank, slot, 'bin')}")
+            return time.perf_counter() - t0
+        self.slots.uncommit("own", self.rank, slot)
+        self.saves += 1
+        parts = {k: _Staged(v) for k, v in staged.items()}
+        self._pending = self._reading_staging = self._executor.submit(
+            self._stage_and_commit, slot, buf, step, tokens, parts)
+        return time.perf_counter() - t0
+
+    def wait_staging(self) -> None:
+        """Until a commit that copies from the durable tier's host staging has copied it
+        (before that tier stages its next save into the same buffers)."""
+        reading = self._reading_staging
+        if reading is not None and not reading.done():
+            self.wait()
+        self._reading_staging = None
+
+    def _stage_and_commit(self, slot: str, buf: mmap.mmap, step: int, tokens: int,
+                          parts: dict[str, Any]) -> None:
+        staged = self._stage(buf, step, tokens, parts)
+        if staged is None and not self.partnered:
+            return
+        self._commit(slot, buf, staged)
 
     def prepare_saves(self, state: dict[str, Any]) -> None:
         """After a generation's first step, in the background: fault in the own slots' pages for a state
@@ -296,7 +345,7 @@ class MemoryTier:
             for t, seg in zip(tensors, segments, strict=True):
                 if seg.nbytes:
                     _to_slot(buf, seg.offset, _local(t).detach().contiguous(), seg.nbytes)
-        if self.device_type == "cuda":
+        if self.device_type == "cuda" and any(_local(t).is_cuda for t in tensors):
             torch.cuda.synchronize()  # the copies must land before training moves on
         buf[offset:end] = blob
         self.last_bytes, self.staged_step = end, step

@@ -90,6 +90,50 @@ def test_a_third_save_overwrites_the_older_slot(tmp_path: Path) -> None:
     assert steps == [10, 15]
 
 
+def test_a_save_never_overwrites_the_step_every_rank_holds(tmp_path: Path) -> None:
+    """A peer still committing step 10 (the newest step every rank holds is 5): this rank's
+    save of 15 overwrites its copy of 10, never 5, so a death now still leaves a step all
+    ranks can restore."""
+    t = tier(tmp_path)
+    for step in (5, 10):
+        t.save(step, 0, state(step))
+        t.wait()
+    t.save(15, 0, state(15), keep=5)
+    t.wait()
+    assert sorted(c.manifest.step for c in t.slots.copies("own", 0)) == [5, 15]
+    t.save(20, 0, state(20), keep=15)
+    t.wait()
+    assert sorted(c.manifest.step for c in t.slots.copies("own", 0)) == [15, 20]
+    # No common step yet (a peer has none): the older slot goes, as without the rule.
+    t.save(25, 0, state(25), keep=None)
+    t.wait()
+    assert sorted(c.manifest.step for c in t.slots.copies("own", 0)) == [20, 25]
+
+
+def test_a_save_from_the_durable_tiers_staging_restores_the_same_state(tmp_path: Path) -> None:
+    """Both tiers at one step: the memory copy is made from the durable save's host staging
+    in the commit thread, and restores exactly what a copy of the live state would."""
+    t = tier(tmp_path)
+    live = state(7)
+    staged = {k: _copied(v.state_dict()) for k, v in live.items()}
+    blocked = t.save_staged(30, 300, staged)
+    t.wait_staging()
+    assert blocked < 1.0
+    plan = t.plan(durable_step=None, max_step=None)
+    assert plan.use and plan.step == 30, plan.reason
+    dst = state(8)
+    t.load(plan, dst)
+    for k in ("w", "b", "i", "h"):
+        assert torch.equal(dst["model"].value[k], live["model"].value[k])
+    assert (dst["progress"].step, dst["progress"].tokens) == (7, 70)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def test_older_than_durable_is_not_used(tmp_path: Path) -> None:
     t = tier(tmp_path)
     t.save(5, 0, state(1))

@@ -191,3 +191,59 @@ def test_the_local_socket_tells_the_agent_which_ranks_channel_closed() -> None:
 
     asyncio.run(scenario())
     assert sorted(closed) == [4, 5]
+
+
+def test_every_exit_is_reported_once_when_its_paths_race_on_a_loaded_loop(
+        tmp_path: Path) -> None:
+    """The reaper, the /proc poll and a closed channel all find the same dead rank; with the
+    loop held up between their turns (a loaded host), each must still report it once. The
+    claim is taken before any await: a report that was only scheduled used to let the next
+    poll or the reaper report it again (an agent reported one exit twice, 1 in 980 runs)."""
+    import random
+
+    rng = random.Random(7)
+    reported: list[int] = []
+
+    async def on_exit(r: Rank, tail: list[str]) -> None:
+        await asyncio.sleep(0)  # the report itself yields, as the agent's queueing does
+        reported.append(r.rank)
+
+    async def busy() -> None:
+        while True:  # the loop's other work: it holds the loop for a few ms at a time
+            time.sleep(rng.uniform(0.001, 0.006))
+            await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        ranks = RankSet(_assignment(), {}, tmp_path / "logs", on_exit,
+                        RankSetup(run_dir=tmp_path))
+        helds = []
+        for rank in range(24):
+            live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                    start_new_session=True)
+            held = _Held(live)
+            helds.append((live, held))
+            log = tmp_path / f"rank{rank}.log"
+            log.write_text("")
+            r = Rank(rank, rank, held, log, 0, time.time(), 3)  # type: ignore[arg-type]
+            ranks.ranks.append(r)
+            ranks._watchers.append(asyncio.create_task(ranks._watch(r)))
+        load = asyncio.create_task(busy())
+        poll = asyncio.create_task(ranks.watch_dying(0.001))
+        for live, _ in helds:
+            live.kill()
+        for rank, (_, held) in enumerate(helds):
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            ranks.channel_closed(rank)
+            if rng.random() < 0.5:
+                held.released.set()  # reaped at once: the reaper races the poll
+        await asyncio.sleep(0.05)
+        for _, held in helds:
+            held.released.set()
+        await asyncio.wait_for(poll, 30)
+        await asyncio.gather(*ranks._watchers)
+        load.cancel()
+
+    for _ in range(5):
+        reported.clear()
+        asyncio.run(scenario())
+        assert sorted(reported) == list(range(24)), reported
