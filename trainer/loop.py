@@ -184,7 +184,8 @@ def _one_step(p: Parts, first: bool) -> bool:
             # staging, in the background (one device-to-host copy blocks training).
             staged = p.checkpointer.staged_state(step) if durable else None
             rec["mem_block_s"] = p.memory.save_staged(
-                step, p.progress.tokens, staged, keep=agreed.memory_common) \
+                step, p.progress.tokens, p.checkpoint_state, staged,
+                keep=agreed.memory_common) \
                 if staged is not None else p.memory.save(
                     step, p.progress.tokens, p.checkpoint_state, keep=agreed.memory_common)
         # The books count both as the save's blocking time.

@@ -199,6 +199,16 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The RoPE tables (derived from the model's shape, kept out of checkpoints): what a
+        model whose weights a checkpoint restores still needs computed."""
+        args = self.args
+        # Computed on the CPU on every device so the tables are bit-identical everywhere;
+        # copy_ keeps the buffer objects, which FSDP or compiled graphs may already reference.
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, device="cpu")
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
     def init_weights(self) -> None:
         """(Re)initialise every parameter and the RoPE buffers from the current RNG state.
 
@@ -212,11 +222,7 @@ class Transformer(nn.Module):
         where DDP's is 5.565).
         """
         args = self.args
-        # Computed on the CPU on every device so the tables are bit-identical everywhere;
-        # copy_ keeps the buffer objects, which FSDP or compiled graphs may already reference.
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, device="cpu")
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.init_buffers()
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=args.init_std)
         out_std = args.init_std / math.sqrt(2 * args.n_layers)
         for layer in self.layers:

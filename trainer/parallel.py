@@ -68,23 +68,30 @@ def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int,
-                mark: Callable[[str], None] = lambda name: None) -> None:
+                mark: Callable[[str], None] = lambda name: None, init: bool = True) -> None:
     """Allocate a meta-device model's storage on ``device`` and initialise it from ``seed``.
 
     Every rank seeds identically, so replicated (DDP) weights agree and sharded (FSDP2)
-    weights are the shards of one model.
+    weights are the shards of one model. Without ``init`` (a checkpoint will overwrite every
+    weight) only the derived buffers are computed: no RNG draws, and on a GPU no DTensor
+    random op, whose first use broadcasts a seed over the default group (a collective that a
+    replacement joining survivors in place would wait in alone).
     """
     model.to_empty(device=device)
     mark("model_allocated")
-    torch.manual_seed(seed)
     with torch.no_grad():
-        unwrap(model).init_weights()
+        if init:
+            torch.manual_seed(seed)
+            unwrap(model).init_weights()
+        else:
+            unwrap(model).init_buffers()
     mark("model_initialized")
 
 
 def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
                 dctx: DistContext, seed: int,
-                before_shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                before_shard: Callable[[nn.Module], None] | None = None,
+                init: bool = True) -> nn.Module:
     """Apply AC, compile and the sharding strategy to a meta-device model; materialise it.
 
     FSDP2 shards before materialising, so a 7B model never exists unsharded on a rank, unless
@@ -117,7 +124,7 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
         if fsdp:
             apply_fsdp(model, par, prec, dctx.world_size)
         dctx.mark("model_sharded")
-        materialize(model, device, seed, dctx.mark)
+        materialize(model, device, seed, dctx.mark, init=init)
     if offload:
         unwrap(model).rope_cos = unwrap(model).rope_cos.to(dctx.device)
         unwrap(model).rope_sin = unwrap(model).rope_sin.to(dctx.device)
@@ -134,14 +141,22 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def fsdp_param_groups(model: nn.Module) -> list:
-    """Every FSDP2 parameter group under ``model`` (none for a model FSDP2 did not shard)."""
+    """Every FSDP2 parameter group under ``model`` (none for a model FSDP2 did not shard).
+    A module's state holds a list of them (torch >= 2.12) or one (earlier releases)."""
     groups = []
     for module in model.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        groups.extend(getattr(get_state(), "_fsdp_param_groups", []))
+        if get_state is not None:
+            groups.extend(_own_param_groups(get_state()))
     return groups
+
+
+def _own_param_groups(state: object) -> list:
+    many = getattr(state, "_fsdp_param_groups", None)
+    if many is not None:
+        return list(many)
+    one = getattr(state, "_fsdp_param_group", None)
+    return [one] if one is not None else []
 
 
 def rebind_process_groups(model: nn.Module) -> int:
@@ -181,6 +196,8 @@ def reset_iteration(model: nn.Module) -> None:
                 continue
             state = get_state()
             state._training_state = TrainingState.IDLE
+            if isinstance(getattr(state, "_modules_to_run_forward", None), set):
+                state._modules_to_run_forward.clear()
             ctx = getattr(state, "_state_ctx", None)
             if ctx is not None:
                 ctx.iter_forward_root = None
@@ -193,7 +210,7 @@ def reset_iteration(model: nn.Module) -> None:
                         getattr(comm, name).clear()
                 if hasattr(comm, "reduce_scatter_state"):
                     comm.reduce_scatter_state = None
-            for group in getattr(state, "_fsdp_param_groups", []):
+            for group in _own_param_groups(state):
                 group._training_state = TrainingState.IDLE
                 group._all_gather_result = None
                 if hasattr(group, "_post_forward_indices"):

@@ -25,6 +25,7 @@ and exits, and the supervisor falls back to a full restart.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,15 +60,25 @@ def peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_ERRORS)
 
 
+_ABORT_LOCK = threading.Lock()
+_ABORTED: set[int] = set()  # ids of the process groups this process has aborted
+
+
 def abort_groups() -> None:
     """Abort every process group of this process, without a collective: a thread blocked in
     one of their operations gets an error. Safe from any thread (NVRx's in-process restart
-    aborts from its monitor thread the same way)."""
+    aborts from its monitor thread the same way); the order thread and the training thread
+    may both call it, and each group is aborted once (two concurrent aborts of one NCCL
+    communicator are undefined)."""
     import torch.distributed.distributed_c10d as c10d
 
-    for pg in list(c10d._world.pg_map):
-        with contextlib.suppress(Exception):  # already aborted, or a backend without abort
-            pg.abort()
+    with _ABORT_LOCK:
+        for pg in list(c10d._world.pg_map):
+            if id(pg) in _ABORTED:
+                continue
+            _ABORTED.add(id(pg))
+            with contextlib.suppress(Exception):  # a backend without abort
+                pg.abort()
 
 
 @dataclass
@@ -105,6 +116,8 @@ class Rejoin:
                     raise RejoinFailed(f"no recover order within {self.wait_s:.0f} s "
                                        "(restart.in_job_wait_s)") from exc
                 t_wait = time.perf_counter()
+                self.log(f"recover order for generation {order.generation}: aborting the "
+                         "process groups, ending the save threads")
                 abort_groups()
                 self._drain(p)
                 if p.memory is not None:  # verified while the new groups meet
@@ -151,7 +164,11 @@ class Rejoin:
         from trainer.distributed import init_distributed, new_memory_group
 
         dist.destroy_process_group()
+        with _ABORT_LOCK:
+            _ABORTED.clear()  # those groups are gone; ids may be reused
         p.worker.join_generation(order)
+        self.log(f"joining generation {order.generation}'s process groups at "
+                 f"{order.env.get('MASTER_ADDR')}:{order.env.get('MASTER_PORT')}")
         fresh = init_distributed(self.settings.trainer)
         if (fresh.rank, fresh.world_size) != (p.dctx.rank, p.dctx.world_size):
             raise RejoinFailed(f"the order makes this rank {fresh.rank} of {fresh.world_size}"
@@ -163,6 +180,7 @@ class Rejoin:
             p.memory.group = new_memory_group(dctx)
             p.memory.generation = p.worker.ctx.generation
         self.backend.rejoin(self.stepper, dctx)
+        self.log("process groups made; restoring the newest state every rank holds")
 
     def _restore(self, p: Any) -> str:
         """Collective: the newest state every rank holds, into this rank's live parts."""

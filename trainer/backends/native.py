@@ -118,7 +118,8 @@ class NativeBackend(Backend):
 
             fp8.convert(model, dctx.device, fsdp=self._fsdp(settings, dctx))
         if cfg.finetune is None:
-            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
+            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed,
+                               init=self.init_weights)
         from trainer.finetune import add_adapters, prepare_base
 
         model = add_adapters(model, cfg.finetune)

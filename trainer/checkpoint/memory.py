@@ -87,6 +87,30 @@ def _from_slot(data: Any, offset: int, dst: torch.Tensor, dtype: torch.dtype) ->
         dst.copy_(src.view(dst.shape), non_blocking=True)
 
 
+def _with_staged(live: Any, staged: Any, where: str) -> Any:
+    """``live`` (a part's state dict now) with each tensor replaced by the tensor at the same
+    place of ``staged`` (the durable save's host copy of it); ValueError where they differ."""
+    if isinstance(live, dict):
+        if not isinstance(staged, dict) or live.keys() != staged.keys():
+            raise ValueError(f"{where}: keys differ")
+        return {k: _with_staged(v, staged[k], f"{where}.{k}") for k, v in live.items()}
+    if isinstance(live, list | tuple):
+        if not isinstance(staged, list | tuple) or len(live) != len(staged):
+            raise ValueError(f"{where}: lengths differ")
+        out = [_with_staged(a, b, f"{where}[{i}]")
+               for i, (a, b) in enumerate(zip(live, staged, strict=True))]
+        return type(live)(out) if isinstance(live, tuple) else out
+    if isinstance(live, torch.Tensor):
+        if not isinstance(staged, torch.Tensor):
+            raise ValueError(f"{where}: no staged tensor")
+        a, b = _local(live), _local(staged)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"{where}: {b.dtype}{list(b.shape)} staged, "
+                             f"{a.dtype}{list(a.shape)} live")
+        return staged
+    return live
+
+
 class _Staged:
     """A part of the durable tier's staged copy, as the memory tier reads a live part."""
 
@@ -196,14 +220,24 @@ class MemoryTier:
         self._pending = self._executor.submit(self._commit, slot, buf, staged, prepare)
         return time.perf_counter() - t0
 
-    def save_staged(self, step: int, tokens: int, staged: dict[str, Any],
-                    keep: int | None = None) -> float:
-        """At a step the durable tier saves too: copy the state from that save's host
-        staging (``staged``: each part's state dict, already copied off the device) in the
-        commit thread, so training waits for one device-to-host copy, the durable tier's,
-        not two. The staging stays untouched until the durable tier's next save, which waits
-        for this commit first (``wait``). Returns the seconds training was blocked."""
+    def save_staged(self, step: int, tokens: int, state: dict[str, Any],
+                    staged: dict[str, Any], keep: int | None = None) -> float:
+        """At a step the durable tier saves too: the tensors come from that save's host
+        staging (``staged``: each part's state dict, copied off the device), copied into the
+        slot in the commit thread, so training waits for one device-to-host copy, the
+        durable tier's, not two; every other value comes from ``state`` now (the staging
+        keeps only tensors up to date). The staging stays untouched until the durable tier's
+        next save, which waits for this copy first (``wait_staging``). Falls back to
+        ``save`` when the staging does not match the state. Returns the seconds training
+        was blocked."""
         t0 = time.perf_counter()
+        try:
+            merged = {k: _Staged(_with_staged(state[k].state_dict(), staged[k], k))
+                      for k in state}
+        except (KeyError, ValueError) as exc:
+            self.log(f"memory tier: the durable staging does not match the state ({exc}); "
+                     "copying from the device")
+            return self.save(step, tokens, state, keep)
         self.wait()
         if self.disabled_reason is not None:
             return 0.0
@@ -214,9 +248,8 @@ class MemoryTier:
             return time.perf_counter() - t0
         self.slots.uncommit("own", self.rank, slot)
         self.saves += 1
-        parts = {k: _Staged(v) for k, v in staged.items()}
         self._pending = self._reading_staging = self._executor.submit(
-            self._stage_and_commit, slot, buf, step, tokens, parts)
+            self._stage_and_commit, slot, buf, step, tokens, merged)
         return time.perf_counter() - t0
 
     def wait_staging(self) -> None:

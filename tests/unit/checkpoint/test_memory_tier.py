@@ -116,7 +116,11 @@ def test_a_save_from_the_durable_tiers_staging_restores_the_same_state(tmp_path:
     t = tier(tmp_path)
     live = state(7)
     staged = {k: _copied(v.state_dict()) for k, v in live.items()}
-    blocked = t.save_staged(30, 300, staged)
+    # The staging's own non-tensor values are those of when it was allocated (DCP keeps
+    # only its tensors up to date): they must not reach the copy.
+    staged["progress"] = {k: 1 for k in staged["progress"]}
+    staged["extra"] = {**staged["extra"], "lr": 9.0}
+    blocked = t.save_staged(30, 300, live, staged)
     t.wait_staging()
     assert blocked < 1.0
     plan = t.plan(durable_step=None, max_step=None)
@@ -126,6 +130,12 @@ def test_a_save_from_the_durable_tiers_staging_restores_the_same_state(tmp_path:
     for k in ("w", "b", "i", "h"):
         assert torch.equal(dst["model"].value[k], live["model"].value[k])
     assert (dst["progress"].step, dst["progress"].tokens) == (7, 70)
+    assert dst["extra"].value["lr"] == 0.5
+    # A staging that does not fit the state: copied from the state itself instead.
+    staged["model"] = {**staged["model"], "w": torch.zeros(2, 2)}
+    t.save_staged(31, 310, live, staged)
+    t.wait()
+    assert t.plan(durable_step=None, max_step=None).step == 31
 
 
 def _copied(value: Any) -> Any:
