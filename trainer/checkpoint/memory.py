@@ -308,7 +308,7 @@ class MemoryTier:
                 pinned = Pinned(buf, length)
                 if pinned.ok:
                     self._pinned.append(pinned)
-                else:
+                elif not pinned.already:
                     self.log("memory tier: could not page-lock a slot; copies stay pageable")
 
     def wait(self) -> None:

@@ -203,6 +203,9 @@ class DigestAhead:
         return self._digests.get((slot, manifest.digest))
 
 
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
 class Pinned:
     """The first ``nbytes`` of a mapping page-locked for CUDA (``cudaHostRegister``), so
     copies between it and a GPU run at full speed and asynchronously. ``release`` undoes
@@ -215,7 +218,11 @@ class Pinned:
 
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(buf)
         self._ptr = ctypes.addressof(self._anchor)
-        self.ok = torch.cuda.cudart().cudaHostRegister(self._ptr, nbytes, 0) == 0
+        code = torch.cuda.cudart().cudaHostRegister(self._ptr, nbytes, 0)
+        # Already registered (a warm standby of this process locked it ahead): as fast,
+        # and not ours to release.
+        self.already = code == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        self.ok = code == 0
         if not self.ok:
             self._anchor = None  # the export must go, or the mapping can never close
 
