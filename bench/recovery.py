@@ -69,7 +69,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "trainer.steps=200", "timeouts.training_floor_s=2", "restart.backoff_initial_s=0.5",
         "job.warm_start=false"]},
     # Both recovery paths on 1 node x 2 GPUs over NCCL, the 1.14B model compiled at
-    # micro-batch 8 with the memory tier every 10 steps (6.8 GB a rank): three SIGKILLs (rank
+    # micro-batch 8 with the memory tier every 20 steps (6.8 GB a rank; durable saves every
+    # 150, ~30 s to write 13.6 GB here, so one is in flight at some kills): three SIGKILLs (rank
     # 1, rank 0 (the store's host), rank 1 again) and one SIGSTOP per run, the in-job run and
     # the full-restart run in the same call (``--paths``).
     "gpu2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
@@ -78,8 +79,8 @@ PROFILES: dict[str, dict[str, Any]] = {
              "sets": [
                  "cluster.procs_per_node=2", "trainer.steps=400",
                  "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=true",
-                 "checkpoint.interval_steps=100", "checkpoint.keep_last=2",
-                 "checkpoint.memory_interval_steps=10",
+                 "checkpoint.interval_steps=150", "checkpoint.keep_last=2",
+                 "checkpoint.memory_interval_steps=20",
                  "checkpoint.memory_max_bytes=68719476736",
                  "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
                  "timeouts.training_multiplier=3", "job.warm_start=true",
@@ -513,8 +514,14 @@ def compare_paths(args: argparse.Namespace, config: str | None, sets: list[str],
     """The profile's injections once per recovery path, in this one call (the same device
     and software for both), and optionally fault-free runs with standbys on and off."""
     t0 = time.monotonic()
-    runs = [with_injections(config, sets, profile["injections"], path, limit())
-            for path in args.paths.split(",") if path != "none"]
+    runs = []
+    for path in args.paths.split(","):
+        if path == "none":
+            continue
+        sampler = StandbySampler() if path == "in_job" else None
+        runs.append(with_injections(config, sets, profile["injections"], path, limit()))
+        if sampler is not None:  # what the warm standbys held meanwhile
+            runs[-1]["standby_cost"] = sampler.report()
     standby = None
     if args.standby_ab:
         sampler = StandbySampler()

@@ -263,6 +263,8 @@ class Failure(Event):
     message: Text = ""
     log_tail: LogTail = Field(default_factory=list)
     newest_checkpoint_step: Step | None = None
+    # The newest step every rank held in the memory tier (rank 0's records say it).
+    newest_memory_step: Step | None = None
     last_step: Step | None = None
     other_exits: list[JsonObject] = Field(default_factory=list, max_length=4096)
     suspects: list[JsonObject] | None = Field(None, max_length=4096)

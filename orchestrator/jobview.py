@@ -16,6 +16,12 @@ from orchestrator.events import Envelope, as_envelope
 from orchestrator.state import JobState
 
 
+def _newest(*steps: Any) -> int | None:
+    """The largest of ``steps`` that are step numbers (None when none is)."""
+    found = [s for s in steps if isinstance(s, int) and not isinstance(s, bool)]
+    return max(found) if found else None
+
+
 def _tier_of(path: str | None) -> str:
     """Events written before tiers existed name no tier: a URL is remote, a path local."""
     return "remote" if path and "://" in path and not path.startswith("file://") else "local"
@@ -263,7 +269,10 @@ class JobView:
         optimizer steps (counted by the SDK or the preload hook) made progress.
         """
         count = 0
-        steps_at_failure = [f.get("newest_checkpoint_step") for f in self.failures]
+        # What a restart could resume from at each failure: the durable tier's newest step
+        # or the memory tier's (in-job recoveries roll back to it), whichever is newer.
+        steps_at_failure = [_newest(f.get("newest_checkpoint_step"),
+                                    f.get("newest_memory_step")) for f in self.failures]
         for i in range(len(steps_at_failure) - 1, -1, -1):
             if self.own_script and self._steps_advanced(self.failures[i]) > 0:
                 break

@@ -193,6 +193,10 @@ def _one_step(p: Parts, first: bool) -> bool:
         if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds
             p.worker.event("memory_tier", **p.memory.report())
     p.checkpointer.poll()
+    if p.memory is not None and agreed.memory_common is not None:
+        # The newest step every rank can restore from memory: the supervisor's measure of
+        # progress between failures when recoveries roll back to the memory tier.
+        rec["memory_step"] = agreed.memory_common
     p.worker.step_done(step, **rec)
     if p.dctx.is_main and (step % cfg.log_every == 0 or step == cfg.steps or step == 1):
         loss = rec["loss"]

@@ -68,30 +68,46 @@ def apply_fsdp(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int,
-                mark: Callable[[str], None] = lambda name: None, init: bool = True) -> None:
+                mark: Callable[[str], None] = lambda name: None) -> None:
     """Allocate a meta-device model's storage on ``device`` and initialise it from ``seed``.
 
     Every rank seeds identically, so replicated (DDP) weights agree and sharded (FSDP2)
-    weights are the shards of one model. Without ``init`` (a checkpoint will overwrite every
-    weight) only the derived buffers are computed: no RNG draws, and on a GPU no DTensor
-    random op, whose first use broadcasts a seed over the default group (a collective that a
-    replacement joining survivors in place would wait in alone).
+    weights are the shards of one model.
     """
     model.to_empty(device=device)
     mark("model_allocated")
+    torch.manual_seed(seed)
+    quiet_dtensor_rng(model)
     with torch.no_grad():
-        if init:
-            torch.manual_seed(seed)
-            unwrap(model).init_weights()
-        else:
-            unwrap(model).init_buffers()
+        unwrap(model).init_weights()
     mark("model_initialized")
+
+
+def quiet_dtensor_rng(model: nn.Module) -> None:
+    """Give DTensor's random ops their generator state without a collective. Left to
+    itself, DTensor's first random op (the init's) broadcasts rank 0's seed over the default
+    group; every rank was just seeded alike, so each can start from its own, and a rank that
+    replaces a failed one in place (the survivors keep theirs) builds without a collective
+    its peers would never join. A no-op where DTensor keeps no generator (a CPU mesh)."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _random
+    except ImportError:
+        return
+    if getattr(_random, "_rng_tracker", None) is not None:
+        return
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None or not _random.is_rng_supported_mesh(mesh):
+        return
+    try:
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
+    except TypeError:  # a release whose tracker takes other arguments: it syncs as before
+        return
 
 
 def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
                 dctx: DistContext, seed: int,
-                before_shard: Callable[[nn.Module], None] | None = None,
-                init: bool = True) -> nn.Module:
+                before_shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Apply AC, compile and the sharding strategy to a meta-device model; materialise it.
 
     FSDP2 shards before materialising, so a 7B model never exists unsharded on a rank, unless
@@ -124,7 +140,7 @@ def parallelize(model: nn.Module, par: ParallelismConfig, prec: PrecisionConfig,
         if fsdp:
             apply_fsdp(model, par, prec, dctx.world_size)
         dctx.mark("model_sharded")
-        materialize(model, device, seed, dctx.mark, init=init)
+        materialize(model, device, seed, dctx.mark)
     if offload:
         unwrap(model).rope_cos = unwrap(model).rope_cos.to(dctx.device)
         unwrap(model).rope_sin = unwrap(model).rope_sin.to(dctx.device)

@@ -109,25 +109,28 @@ class Rejoin:
         from_generation = worker.ctx.generation
         self.log(f"collective failed at step {abandoned + 1} ({type(exc).__name__}: "
                  f"{str(exc)[:200]}); waiting for the in-job recovery order")
+        # ``loading`` until the first step of the new generation: that step waits for the
+        # replacement's first one (its compile), which the training timeout, a few step
+        # intervals, must not judge. The step's report returns the rank to ``training``.
+        worker.set_phase("loading")
         try:
-            with worker.phase("loading"):
-                order = injob.wait(self.wait_s)
-                if order is None:
-                    raise RejoinFailed(f"no recover order within {self.wait_s:.0f} s "
-                                       "(restart.in_job_wait_s)") from exc
-                t_wait = time.perf_counter()
-                self.log(f"recover order for generation {order.generation}: aborting the "
-                         "process groups, ending the save threads")
-                abort_groups()
-                self._drain(p)
-                if p.memory is not None:  # verified while the new groups meet
-                    p.memory.digest_ahead()
-                t_abort = time.perf_counter()
-                self._new_groups(p, injob.take() or order)
-                t_group = time.perf_counter()
-                if chaos.fails_rejoin(worker.ctx.chaos, p.dctx.rank):
-                    raise RejoinFailed(chaos.REJOIN_FAILURE)
-                tier = self._restore(p)
+            order = injob.wait(self.wait_s)
+            if order is None:
+                raise RejoinFailed(f"no recover order within {self.wait_s:.0f} s "
+                                   "(restart.in_job_wait_s)") from exc
+            t_wait = time.perf_counter()
+            self.log(f"recover order for generation {order.generation}: aborting the "
+                     "process groups, ending the save threads")
+            abort_groups()
+            self._drain(p)
+            if p.memory is not None:  # verified while the new groups meet
+                p.memory.digest_ahead()
+            t_abort = time.perf_counter()
+            self._new_groups(p, injob.take() or order)
+            t_group = time.perf_counter()
+            if chaos.fails_rejoin(worker.ctx.chaos, p.dctx.rank):
+                raise RejoinFailed(chaos.REJOIN_FAILURE)
+            tier = self._restore(p)
         except RejoinFailed as failed:
             worker.event("recovery_failed", error=str(failed)[:4000])
             raise
@@ -145,12 +148,12 @@ class Rejoin:
         return True
 
     def _drain(self, p: Any) -> None:
-        """The save threads end (their collectives fail with the abort); their saves are
-        forgotten. A thread still running after ``_DRAIN_S`` would use the new groups'
-        names with the old state: the recovery gives up instead."""
-        if not self.checkpointer.abandon(_DRAIN_S):
-            raise RejoinFailed(f"the checkpoint save in flight did not end within {_DRAIN_S} s "
-                               "of the abort")
+        """The saves in flight are forgotten. The durable tier's threads end on their own
+        (their collectives fail with the abort; a later save of the same step waits for
+        them). The memory tier's commit is cancelled and waited for: it must not commit a
+        copy of the abandoned steps while the new generation restores; one still running
+        after ``_DRAIN_S`` makes the recovery give up."""
+        self.checkpointer.abandon()
         if p.memory is not None and not p.memory.abandon(_DRAIN_S):
             raise RejoinFailed(f"the memory tier's commit did not end within {_DRAIN_S} s of "
                                "the abort")

@@ -437,6 +437,7 @@ class Intake:
                "signal": root.get("signal"), "message": message,
                "log_tail": root.get("log_tail", []),
                "newest_checkpoint_step": self.ctx.view.newest_checkpoint_step,
+               "newest_memory_step": self.progress.memory_step,
                "last_step": self.progress.current.last_step if self.progress.current else None,
                "other_exits": [{k: e[k] for k in ("rank", "exit_code", "signal")}
                                for e in failing[1:_MAX_LISTED + 1]]}

@@ -96,6 +96,8 @@ class ProgressTracker:
         self.current: GenerationProgress | None = None
         self.last_record: dict[str, Any] | None = None
         self.tokens = 0
+        # The newest step every rank holds in the memory tier, as rank 0's records say.
+        self.memory_step: int | None = None
 
     def start_generation(self, generation: int, world_size: int,
                          first_step_known: bool = False) -> None:
@@ -156,6 +158,11 @@ class ProgressTracker:
                 f.write(json.dumps(line, default=str) + "\n")
         last = records[-1]
         self.last_record = last
+        for rec in records:
+            mem = rec.get("memory_step")
+            if isinstance(mem, int) and not isinstance(mem, bool) and 0 <= mem <= 2**53:
+                self.memory_step = mem if self.memory_step is None else max(self.memory_step,
+                                                                              mem)
         tokens = last.get("tokens")
         if isinstance(tokens, int | float) and not isinstance(tokens, bool) \
                 and math.isfinite(tokens) and tokens >= 0:

@@ -74,9 +74,6 @@ class Backend(abc.ABC):
 
     #: The checkpointer class (same interface as the DCP one the loop uses).
     checkpointer_class: type[Checkpointer] = Checkpointer
-    #: False when a checkpoint will overwrite every weight: the model is allocated, not
-    #: initialised (``trainer.build`` knows before it builds the model).
-    init_weights: bool = True
 
     def __init__(self, strategy: str) -> None:
         self.strategy = strategy

@@ -118,8 +118,7 @@ class NativeBackend(Backend):
 
             fp8.convert(model, dctx.device, fsdp=self._fsdp(settings, dctx))
         if cfg.finetune is None:
-            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed,
-                               init=self.init_weights)
+            return parallelize(model, cfg.parallelism, cfg.precision, dctx, seed=cfg.seed)
         from trainer.finetune import add_adapters, prepare_base
 
         model = add_adapters(model, cfg.finetune)

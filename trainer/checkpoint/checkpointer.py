@@ -43,6 +43,9 @@ from trainer.checkpoint.upload import Uploader
 from trainer.config import CheckpointConfig
 from trainer.state import STATE_FORMAT
 
+# How long a save waits for an abandoned save of the same step to end: its threads fail at
+# their next collective, after the file they are writing.
+_ORPHAN_WAIT_S = 600.0
 # DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
 SaveErrors = (Exception, CheckpointException)
 
@@ -82,6 +85,7 @@ class _Pending:
     blocking_s: float
     future: concurrent.futures.Future
     finalized: concurrent.futures.Future | None = None
+    abandoned: bool = False  # an in-job recovery left it behind (``Checkpointer.abandon``)
 
 
 def _causes(exc: BaseException) -> list[BaseException]:
@@ -157,6 +161,7 @@ class Checkpointer:
             else None, log) if cfg.stage_ahead else None
         self.last_wait_s = 0.0  # of the last save's blocking time, waiting for the one before
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "ckpt-commit")
+        self._orphans: list[_Pending] = []  # saves an in-job recovery abandoned
         self.failures_in_a_row = 0
         self.last_committed: int | None = None
         self.restored: Choice | None = None
@@ -207,6 +212,7 @@ class Checkpointer:
         self.wait()  # one save in flight: the previous one must be committed first
         self.last_wait_s = time.perf_counter() - t0
         url = self.store.primary.step_url(step)
+        self._await_orphans(url)
         if self.rank == 0:
             # A save killed midway may have left files for this step: never mix them in.
             layout.remove(url, self.store.primary.fs)
@@ -276,8 +282,11 @@ class Checkpointer:
         done.set_result(p.step)
 
     def _failed(self, p: _Pending, exc: BaseException) -> None:
-        self.failures_in_a_row += 1
         reason = explain_failure(exc, p.url)
+        if p.abandoned:  # the recovery's abort, not the storage
+            reason = f"abandoned by an in-job recovery ({reason})"
+        else:
+            self.failures_in_a_row += 1
         try:  # free what the failed save wrote: on a full disk the next one needs the room
             layout.remove(p.url, self.store.primary.fs)
         except Exception as cleanup:  # noqa: BLE001 - reported below with the failure
@@ -355,25 +364,29 @@ class Checkpointer:
         staged = getattr(writer, "state_dict_cache", None)
         return staged if isinstance(staged, dict) and staged else None
 
-    def abandon(self, timeout: float) -> bool:
-        """Forget the save in flight when an in-job recovery aborted the process groups:
-        wait (up to ``timeout`` s for each of its two threads) for it to end, failed by the
-        abort or committed just before it. A save the recovery cut short is not a storage
-        failure: it leaves the failure count as it was. False: its threads did not end."""
-        p = self._pending
-        if p is None:
-            return True
-        failures = self.failures_in_a_row
-        for future in (p.future, p.finalized):
-            if future is None:
-                continue
-            done, _ = concurrent.futures.wait([future], timeout=timeout)
-            if not done:
-                return False
-        self._pending = None
-        if p.future.exception() is not None:
-            self.failures_in_a_row = failures
-        return True
+    def abandon(self) -> None:
+        """Forget the save in flight when an in-job recovery aborted the process groups.
+        Its threads end on their own (its collectives fail; files it is writing are written
+        first, seconds for gigabytes, which the recovery does not wait for); its failure is
+        reported, not counted toward ``max_save_failures``. A later save of the same step
+        waits for them before it writes (their clean-up removes that step's directory)."""
+        p, self._pending = self._pending, None
+        if p is not None:
+            p.abandoned = True
+            self._orphans.append(p)
+
+    def _await_orphans(self, url: str) -> None:
+        """Before a save into ``url``: an abandoned save of the same step has ended (bounded
+        by the collective timeout; its threads fail as soon as they meet a collective)."""
+        kept = []
+        for o in self._orphans:
+            if o.url == url:
+                for future in (o.future, o.finalized):
+                    if future is not None:
+                        concurrent.futures.wait([future], timeout=_ORPHAN_WAIT_S)
+            if not (o.future.done() and (o.finalized is None or o.finalized.done())):
+                kept.append(o)
+        self._orphans = kept
 
     def finish(self) -> None:
         """End of training: commit the last save and wait (bounded) for its upload, so the

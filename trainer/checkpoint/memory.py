@@ -33,6 +33,7 @@ import concurrent.futures
 import ctypes
 import io
 import mmap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +45,14 @@ import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
-from trainer.checkpoint.memory_slots import Copy, DigestAhead, Pinned, Slots, digest_of
+from trainer.checkpoint.memory_slots import (
+    Copy,
+    DigestAhead,
+    DigestCancelled,
+    Pinned,
+    Slots,
+    digest_of,
+)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
 
@@ -174,6 +182,7 @@ class MemoryTier:
         self._pending: concurrent.futures.Future | None = None
         self._preparation: concurrent.futures.Future | None = None  # prepare_saves's
         self._reading_staging: concurrent.futures.Future | None = None  # save_staged's
+        self._cancel = threading.Event()  # set by ``abandon``: the commit in flight stops
 
     @property
     def trust(self) -> signing.Trust | None:
@@ -333,10 +342,12 @@ class MemoryTier:
         pending = self._pending
         if pending is None:
             return True
+        self._cancel.set()  # the commit stops before its manifest, its digest midway
         done, _ = concurrent.futures.wait([pending], timeout=timeout)
         if not done:
             return False
-        self._pending = None
+        self._cancel.clear()
+        self._pending = self._reading_staging = None
         if pending.exception() is not None:
             self.log(f"memory tier: the save in flight ended with the recovery: "
                      f"{type(pending.exception()).__name__}")
@@ -403,7 +414,13 @@ class MemoryTier:
                      staged: mf.MemoryManifest | None) -> None:
         manifest = None
         if staged is not None and buf is not None:
-            body = staged.model_copy(update={"digest": digest_of(buf, staged)})
+            try:
+                digest = digest_of(buf, staged, self._cancel)
+            except DigestCancelled:
+                return  # an in-job recovery: this copy of the abandoned steps is not kept
+            if self._cancel.is_set():
+                return
+            body = staged.model_copy(update={"digest": digest})
             trust = self.trust
             manifest = mf.encode(mf.sign(body.model_dump(mode="json", exclude_none=True),
                                          trust.key if trust is not None else None))

@@ -147,10 +147,17 @@ def pin_own_slots(root: Path, rank: int) -> int:
     return total
 
 
-def digest_of(data: memoryview | mmap.mmap, m: mf.MemoryManifest) -> str:
+class DigestCancelled(Exception):
+    """A digest stopped midway (an in-job recovery cancelled the commit it was for)."""
+
+
+def digest_of(data: memoryview | mmap.mmap, m: mf.MemoryManifest,
+              cancelled: threading.Event | None = None) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     view = memoryview(data)
     for seg in [*m.segments, m.objects]:
+        if cancelled is not None and cancelled.is_set():
+            raise DigestCancelled
         h.update(view[seg.offset:seg.offset + seg.nbytes])
     return "blake3:" + h.hexdigest()
 
