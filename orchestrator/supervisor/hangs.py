@@ -180,10 +180,30 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
         suspect = _check(rp, cfg, training, now)
         if suspect is not None:
             hung.append(suspect)
+    if hung and _a_peer_is_busy(gen, cfg, training, now):
+        # Synchronous training: a rank blocked in ``training`` waits for a peer that is
+        # loading, compiling or checkpointing (an in-job replacement page-locking its
+        # buffers after its first step, a blocking save), and that peer's own phase
+        # timeout judges the wait. A rank that stopped beating is still named.
+        hung = [s for s in hung if s.silent or s.phase != "training"]
     if hung:
         hung.extend(_silent_peers(hung, gen, cfg, training, now))
     hung.sort(key=lambda s: (not s.silent, s.step if s.step is not None else -1, -s.idle_s))
     return hung
+
+
+def _a_peer_is_busy(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
+                    now: float) -> bool:
+    """Whether some rank is beating in a phase other than ``training`` (and ``finishing``)
+    within that phase's timeout: the others' collectives wait for it."""
+    quiet = max(3 * cfg.heartbeat_interval_s, 1.0)
+    for rp in gen.ranks.values():
+        if rp.phase in ("loading", "compiling", "checkpointing", "evaluating") and \
+                rp.progress_seen is not None and rp.beat_received is not None and \
+                now - rp.beat_received <= quiet and \
+                now - rp.progress_seen <= phase_timeout(cfg, rp.phase, training):
+            return True
+    return False
 
 
 def _silent_peers(hung: list[Suspect], gen: GenerationProgress, cfg: TimeoutsConfig,

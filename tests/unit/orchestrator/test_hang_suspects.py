@@ -56,3 +56,16 @@ def test_no_hang_no_one_named_however_silent() -> None:
         RankProgress(0, step=23, phase="training", progress_seen=100.0, beat_received=101.8),
         RankProgress(1, step=23, phase="training", progress_seen=100.0, beat_received=100.0))
     assert find_hangs(gen, CFG, TrainingTimeout(CFG, None), 101.9) == []
+
+
+def test_a_rank_waiting_for_a_peer_that_is_loading_is_not_a_hang() -> None:
+    """After an in-job recovery the replacement page-locks its buffers beside its first
+    steps (phase ``loading``, its own timeout); the survivor, blocked in ``training`` in
+    the collective that waits for it, was named a hang 1.8 s in (2 x H100)."""
+    gen = _gen(
+        RankProgress(0, step=121, phase="training", progress_seen=100.0, beat_received=104.9),
+        RankProgress(1, step=121, phase="loading", progress_seen=100.1, beat_received=104.9))
+    assert find_hangs(gen, CFG, TrainingTimeout(CFG, None), 105.0) == []
+    # The busy peer stops beating: the wait is a hang again, and the silent peer is named.
+    gen.ranks[1].beat_received = 101.0
+    assert [s.rank for s in find_hangs(gen, CFG, TrainingTimeout(CFG, None), 105.0)] == [1, 0]
