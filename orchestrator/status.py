@@ -89,7 +89,8 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
                       "resume_step": r.get("resume_step"), "ts": r["ts"]}
                      for r in view.restarts],
         "failures": [{k: f.get(k) for k in ("generation", "cause", "rank", "node_id",
-                                            "exit_code", "signal", "message")}
+                                            "exit_code", "signal", "message",
+                                            "recovery_path", "recovery_reason")}
                      for f in view.failures],
         "root_cause": None if failure is None else {
             **{k: failure.get(k) for k in ("cause", "rank", "node_id", "exit_code", "signal",

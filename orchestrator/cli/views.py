@@ -21,6 +21,16 @@ out = Console()
 err = Console(stderr=True)
 
 
+def _recovery(failure: dict) -> str:
+    """How the job recovered from ``failure``: in place, or a full restart (and why)."""
+    path = failure.get("recovery_path")
+    if path == "in_job":
+        return "in place"
+    if path == "restart":
+        return f"restart ({failure.get('recovery_reason') or 'no reason recorded'})"
+    return "-"
+
+
 def _fmt_s(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -189,11 +199,11 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     parts.append(table)
     if status["restarts"] or status["failures"]:
         t = Table(title="failures", title_justify="left")
-        for col in ("generation", "cause", "rank", "node", "detail"):
+        for col in ("generation", "cause", "rank", "node", "recovered", "detail"):
             t.add_column(col)
         for f in status["failures"][-5 if compact else None:]:
             t.add_row(str(f["generation"]), f["cause"], str(f["rank"]), str(f["node_id"]),
-                      f["message"] or "")
+                      _recovery(f), f["message"] or "")
         parts.append(t)
     if status["root_cause"] and status["state"] in ("FAILED",) and not compact:
         parts.append(Text("last log lines of the root cause:", style="bold"))
