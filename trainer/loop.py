@@ -47,6 +47,8 @@ class Parts:
     compile_cache: Any = None
     steps_run: int = 0  # steps this process has trained (its compiled graphs are warm)
     replacement: bool = False  # this rank replaced a failed one in an in-job recovery
+    peers_preparing: bool = False  # some rank still prepares its saves' buffers
+    watching_peers: bool = False  # the worker SDK counts this rank's steps as disturbed
 
     @property
     def model(self) -> nn.Module:
@@ -97,25 +99,34 @@ class Agreement:
 
     stop: bool
     memory_common: int | None
+    # Some rank is still preparing its saves' buffers (page-locking in the background, which
+    # slows its steps, and so everyone's: the collectives wait for it).
+    preparing: bool = False
+
+
+def _preparing(p: Parts) -> bool:
+    return p.checkpointer.preparing() or (p.memory is not None and p.memory.preparing())
 
 
 def _agree(p: Parts) -> Agreement:
-    """One MAX all-reduce of two integers over the loop's own gloo group, a CPU collective
-    that never waits on the accelerator: the stop flag, and minus each rank's newest
-    committed memory step (the MAX of the negatives is the minimum)."""
+    """One MAX all-reduce of three integers over the loop's own gloo group, a CPU collective
+    that never waits on the accelerator: the stop flag, minus each rank's newest committed
+    memory step (the MAX of the negatives is the minimum), and whether it is preparing."""
     asked = bool(getattr(p.worker, "checkpoint_requested", False))
     newest = p.memory.last_step if p.memory is not None else None
+    preparing = _preparing(p)
     group = getattr(p.dctx, "control_group", None)
     if group is None:
-        return Agreement(asked, newest)
+        return Agreement(asked, newest, preparing)
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if asked else 0, -(newest if newest is not None else -1)],
-                        dtype=torch.int64)
+    flag = torch.tensor([1 if asked else 0, -(newest if newest is not None else -1),
+                         1 if preparing else 0], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     common = -int(flag[1].item())
-    return Agreement(bool(flag[0].item()), common if common >= 0 else None)
+    return Agreement(bool(flag[0].item()), common if common >= 0 else None,
+                     bool(flag[2].item()))
 
 
 def train(p: Parts) -> None:
@@ -158,16 +169,24 @@ def _one_step(p: Parts, first: bool) -> bool:
             # first memory save (a fresh run's step 50) it stalled a step past a
             # calibrated 3.7 s timeout.
             p.memory.prepare_saves(p.checkpoint_state)
-        # Page-locking holds the CUDA driver: steps run slow until it is done. The SDK
-        # keeps them out of the calibrated training timeout (a restarted generation's
-        # floor is already the low one) and reports the ``loading`` phase meanwhile.
-        p.worker.disturbed_while(lambda ck=p.checkpointer, mem=p.memory: ck.preparing() or (
-            mem is not None and mem.preparing()))
     p.steps_run += 1
     if p.compile_cache is not None and p.steps_run == _COMPILE_CACHE_AFTER:
         _keep_compile_cache(p)
     step = p.progress.step
     agreed = _agree(p)
+    p.peers_preparing = agreed.preparing
+    if agreed.preparing and not p.watching_peers:
+        # Page-locking holds the CUDA driver: steps run slow until it is done, on every rank
+        # (an in-job replacement's slow steps hold up the survivors' collectives too). The
+        # SDK keeps them out of the calibrated training timeout and reports the ``loading``
+        # phase meanwhile, until the ranks agree that none is preparing any more.
+        p.watching_peers = True
+
+        def busy() -> bool:
+            p.watching_peers = p.peers_preparing
+            return p.peers_preparing
+
+        p.worker.disturbed_while(busy)
     stop = agreed.stop
     durable = step % p.checkpoint_interval == 0 or step == cfg.steps or stop
     if durable:
