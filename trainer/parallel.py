@@ -232,5 +232,15 @@ def reset_iteration(model: nn.Module) -> None:
                 if hasattr(group, "_post_forward_indices"):
                     group._post_forward_indices.clear()
                 group._to_sharded()
+    for group in fsdp_param_groups(model):
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            # The unsharded parameters' gradients of a backward cut short: the next
+            # backward would accumulate into them (autograd adds to an existing .grad),
+            # and they would be reduced into the first step after the rollback.
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            if hasattr(fsdp_param, "unsharded_accumulated_grad"):
+                fsdp_param.unsharded_accumulated_grad = None
     for param in model.parameters():
         param.grad = None
