@@ -266,7 +266,10 @@ def data_prepare(
     source: Annotated[list[str] | None, typer.Option(
         help="Text/jsonl files or globs (repeatable); default: the Python stdlib.")] = None,
     tokenizer: Annotated[str, typer.Option(help="'byte' or a tokenizer.json.")] = "byte",
-    max_bytes: Annotated[int, typer.Option(help="Cap on source bytes.")] = 8 * 2**20,
+    max_bytes: Annotated[int | None, typer.Option(
+        min=1, help="Cap on source bytes read (default: every byte of --source files; 8 MiB "
+                    "of the stdlib). Documents past it are left out, and said so.",
+        show_default=False)] = None,
 ) -> None:
     """Turn text / jsonl files into packed token shards."""
     from orchestrator.cli.views import prepare_data
@@ -304,8 +307,10 @@ TrustUnsignedOpt = Annotated[bool, typer.Option(
 
 @ckpt_app.command("list")
 def checkpoints_list(
-    urls: Annotated[list[str], typer.Argument(
-        help="Job checkpoint roots (<root>/<job>), e.g. the local tier and the S3 tier.")],
+    urls: Annotated[list[str] | None, typer.Argument(
+        help="Job checkpoint roots (<root>/<job>), e.g. the local tier and the S3 tier, or "
+             "run directories (every tier of their job). Default: runs/latest.",
+        show_default=False)] = None,
     checksums: Annotated[bool, typer.Option(
         help="Read every file and check its checksum (default: sizes only).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="JSON rows.")] = False,

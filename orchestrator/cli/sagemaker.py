@@ -79,6 +79,13 @@ def submit(
         raise typer.Exit(0)
     import yaml
 
+    from orchestrator.extras import MissingExtra, require
+
+    try:
+        require("boto3", "sagemaker submit (CreateTrainingJob)")
+    except MissingExtra as exc:
+        err.print(f"[red]error[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
     body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     arn = send(request, spec, body, region=region, endpoint_url=endpoint_url)
     print(arn)

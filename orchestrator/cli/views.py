@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -16,6 +18,9 @@ from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
 from orchestrator.status import build_status, load_view
 from orchestrator.summary import build_summary
+
+if TYPE_CHECKING:
+    from orchestrator.config import Config
 
 out = Console()
 err = Console(stderr=True)
@@ -295,19 +300,40 @@ def _stability_table(st: dict) -> Table:
 
 
 def validate_config(config: Path, overrides: list[str]) -> int:
-    from orchestrator.config import ConfigError, load_config
+    """Every problem of the config, then what this machine lacks for it (an optional module,
+    a running allocation that does not match); exit 1 if any."""
+    from orchestrator.config import ConfigError, Problem, load_config
+    from orchestrator.extras import missing
 
     try:
         cfg = load_config(config, overrides)
     except ConfigError as exc:
-        err.print(f"[red]{exc.source}[/red]: {len(exc.problems)} problem(s)")
-        for p in exc.problems:
-            err.print(f"  [bold]{p.path}[/bold]: {p.message}", highlight=False)
+        _print_problems(exc.source, exc.problems)
         return 1
-    out.print(f"{config}: ok (job {cfg.job.name}, {cfg.cluster.nodes} nodes x "
-              f"{cfg.cluster.procs_per_node} ranks, model {cfg.trainer.model.preset}, "
-              f"{cfg.trainer.steps} steps)")
+    problems = [Problem(n.field, n.problem) for n in missing(cfg)]
+    if problems:
+        _print_problems(str(config), problems)
+        return 1
+    out.print(f"{config}: ok ({describe_job(cfg)})", highlight=False)
     return 0
+
+
+def _print_problems(source: str, problems: list) -> None:
+    err.print(f"[red]{escape(source)}[/red]: {len(problems)} problem(s)")
+    for p in problems:
+        err.print(f"  [bold]{escape(p.path)}[/bold]: {escape(p.message)}", highlight=False)
+
+
+def describe_job(cfg: Config) -> str:
+    """``job t, 2 nodes x 1 ranks, model tiny, 200 steps``; a script of the user's own is
+    named instead of the built-in trainer's model and step count, which it does not use."""
+    import shlex
+
+    shape = f"job {cfg.job.name}, {cfg.cluster.nodes} nodes x {cfg.cluster.procs_per_node} " \
+            f"ranks" + (f" + {cfg.cluster.spares} spare(s)" if cfg.cluster.spares else "")
+    if cfg.job.entrypoint:
+        return f"{shape}, runs {shlex.join(cfg.job.entrypoint)}"
+    return f"{shape}, model {cfg.trainer.model.preset}, {cfg.trainer.steps} steps"
 
 
 def prepare_data(out_dir: Path, source: list[str] | str, tokenizer: str,
