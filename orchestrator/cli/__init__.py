@@ -319,11 +319,11 @@ def checkpoints_list(
     trust_unsigned: TrustUnsignedOpt = False,
 ) -> None:
     """Table of checkpoints: step, tier, size, age, signature, verified; exit 1 when a
-    committed one fails."""
+    committed one fails or there is none."""
     from orchestrator.cli.checkpoints import list_checkpoints, use_endpoint
 
     use_endpoint(endpoint_url)
-    raise typer.Exit(list_checkpoints(urls, checksums, json_out, key_file, trust_unsigned))
+    raise typer.Exit(list_checkpoints(urls or [], checksums, json_out, key_file, trust_unsigned))
 
 
 @ckpt_app.command("verify")
@@ -409,4 +409,17 @@ def export(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ImportError as exc:
+        # An optional dependency a command met without a check of its own: one line naming
+        # the extra that installs it, not a traceback.
+        from orchestrator.extras import from_import_error
+
+        missing = from_import_error(exc)
+        if missing is None:
+            raise
+        import sys
+
+        print(f"error: {missing}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -337,10 +337,13 @@ def describe_job(cfg: Config) -> str:
 
 
 def prepare_data(out_dir: Path, source: list[str] | str, tokenizer: str,
-                 max_bytes: int) -> int:
+                 max_bytes: int | None) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from trainer.data.prepare import prepare_dataset
+    from trainer.data.prepare import default_max_bytes, prepare_dataset
+
+    if max_bytes is None:
+        max_bytes = default_max_bytes(source)
 
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=err) as bar:
@@ -353,4 +356,9 @@ def prepare_data(out_dir: Path, source: list[str] | str, tokenizer: str,
             return 1
     out.print(f"{out_dir}: {index['total_tokens']:,} tokens in {len(index['shards'])} shard(s) "
               f"from {index['documents']:,} documents")
+    if index.get("truncated") and not isinstance(source, str):
+        files = index.get("left_out_files") or 0
+        err.print(f"[yellow]left out[/yellow] {index.get('left_out_bytes', 0):,} bytes of the "
+                  f"sources ({files} file(s) in whole or in part) past --max-bytes "
+                  f"{index['max_bytes']:,}; raise --max-bytes to keep them", highlight=False)
     return 0
