@@ -115,6 +115,7 @@ def list_checkpoints(urls: list[str], checksums: bool, json_out: bool,
     from trainer.checkpoint.store import describe, resolve
 
     roots: list[str] = []
+    run_roots: set[str] = set()
     for url in urls or [str(Path("runs") / "latest")]:
         from_run = run_checkpoint_roots(Path(url)) if "://" not in url else None
         if from_run is None and not urls:
@@ -122,12 +123,15 @@ def list_checkpoints(urls: list[str], checksums: bool, json_out: bool,
                       "or a job's checkpoint root (<root>/<job>)", highlight=False)
             return 2
         roots += from_run if from_run is not None else [url]
+        run_roots.update(from_run or [])
     code = missing_extra(roots, "listing checkpoints at")
     if code is not None:
         return code
     rows = []
     try:
         for url in roots:
+            if url in run_roots and "://" not in url and not Path(url).exists():
+                continue  # a run that has committed nothing yet has no directory for it
             root, _ = resolve(url)
             rows += describe(root, checksums=checksums,
                              trust=_trust(root, key_file, trust_unsigned))

@@ -132,6 +132,12 @@ def show_rank_logs(run_dir: Path | None, ranks: list[int] | None, follow: bool,
         return 2
     from orchestrator.console import JobFollower
 
+    world = load_view(run).world_size
+    unknown = [r for r in ranks or [] if world and r >= world]
+    if unknown:
+        console.print(f"[red]error[/red] no rank {', '.join(map(str, unknown))}: job "
+                      f"{run.root} has ranks 0-{world - 1}", highlight=False)
+        return 1
     journal = JobFollower(run.root)  # reads only what the journal gained since the last poll
 
     def job_ended() -> bool:

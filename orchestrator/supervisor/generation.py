@@ -80,7 +80,7 @@ class GenerationParts:
                 "master_port": master.free_port, "entrypoint": entrypoint,
                 "env": env, "signals": [], "profiles": [], "preload": preload}
         view = self.ctx.view
-        after = view.failures[-1]["cause"] if view.failures else None
+        after = view.ended_by if generation > 1 else None
         # Checked (its 2,048 assignments walked by the JSON bounds: 0.13 s at 2,048 nodes)
         # in a thread, so the loop keeps serving beats meanwhile; nothing else holds
         # ``assignments`` until it is journaled.

@@ -209,7 +209,7 @@ class SupervisorMetrics:
         elif isinstance(e, ev.Failure) and e.cause.value in FAILURE_CAUSES:
             self.failures.labels(job, e.cause.value).inc()
         elif isinstance(e, ev.GenerationLaunched) and e.after_cause is not None \
-                and e.after_cause.value in FAILURE_CAUSES:
+                and e.after_cause is not Cause.OPERATOR and e.after_cause.value in FAILURE_CAUSES:
             self.restarts.labels(job, e.after_cause.value).inc()
         elif isinstance(e, ev.CheckpointCommitted) and e.via != "upload":
             # Uploads lag the saves: a remote copy committed later must not move these back.
