@@ -80,6 +80,8 @@ class Supervisor:
         self.journal = Journal(run.journal, clock=clock.time)
         self.metrics = SupervisorMetrics(registry or CollectorRegistry(), cfg.job.name)
         self.metrics.set_info(cfg.trainer.model.preset, cfg.cluster.accelerator)
+        growth = cfg.stability.growth
+        self.metrics.set_thresholds(growth.ratio if growth.enabled else None)
         self.books = BookKeeper(run, self.metrics, clock)  # replays the run dir into metrics
         self.recorder = Recorder(self.journal, view, self.metrics)
         self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
