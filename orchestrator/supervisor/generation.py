@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -110,9 +111,10 @@ class GenerationParts:
         return modules
 
     def entrypoint(self) -> list[str]:
-        if self.cfg.job.entrypoint:
-            return list(self.cfg.job.entrypoint)
         from orchestrator.launchers.base import default_python
+
+        if self.cfg.job.entrypoint:
+            return own_python(list(self.cfg.job.entrypoint), default_python(self.cfg))
 
         # -P: the rank's working directory (a user's `trainer.py`, say) cannot shadow ours.
         return [default_python(self.cfg), "-P", "-m", "trainer"]
@@ -339,3 +341,17 @@ def written_since(folder: str, seen: frozenset[str]) -> set[str]:
         except OSError:
             continue  # removed meanwhile, or not readable: not a stack file for us
     return fresh
+
+
+_BARE_PYTHON = re.compile(r"python(3(\.\d+)?)?")
+
+
+def own_python(argv: list[str], python: str) -> list[str]:
+    """A bare ``python``/``python3`` entrypoint runs on the orchestrator's own interpreter
+    (``launcher.python``, else the one running it), as torchrun starts scripts with its own
+    ``sys.executable``: looked up on the ranks' PATH it can be another Python without the
+    orchestrator (an unactivated venv: every rank died in the preload hook). A path is kept
+    as given."""
+    if argv and _BARE_PYTHON.fullmatch(argv[0]):
+        return [python, *argv[1:]]
+    return argv

@@ -39,7 +39,7 @@ from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import Suspect, TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
-from orchestrator.supervisor.outcome import Outcome
+from orchestrator.supervisor.outcome import Outcome, exit_reason
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
 from orchestrator.supervisor.stability import StabilityHook
@@ -472,7 +472,8 @@ def _describe_exit(e: dict[str, Any]) -> str:
     if not e:
         return "unknown failure"
     where = f"rank {e.get('rank')} on node {e.get('node_id')}"
-    error = f": {e['error']}" if e.get("error") else ""  # its error file, a spawn's OS error
+    reason = exit_reason(e)  # its error file, a spawn's OS error, else its last line
+    why = f": {reason}" if reason else ""
     if e.get("signal"):
-        return f"{where} was killed by {e['signal']}{error}"
-    return f"{where} exited with code {e.get('exit_code')}{error}"
+        return f"{where} was killed by {e['signal']}{why}"
+    return f"{where} exited with code {e.get('exit_code')}{why}"

@@ -40,3 +40,27 @@ def test_trainer_runs_standalone_under_torchrun(tmp_path: Path, dataset_dir: Pat
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "step 12/12" in out.stdout
     assert (tmp_path / "ckpt" / "t" / "step-00000012" / "manifest.json").exists()
+
+
+def test_a_bare_python_entrypoint_runs_on_the_orchestrators_interpreter(
+        tmp_path: Path, dataset_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`job.entrypoint: [python, train.py]` with another `python` first on the PATH (an
+    unactivated venv): the ranks run on the orchestrator's own interpreter, as torchrun runs
+    scripts on its own sys.executable, not on whatever PATH finds."""
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'not the orchestrator python' >&2\nexit 9\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    script = Path(__file__).parent / "scripts" / "torchrun_ddp.py"
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir,
+                       job={"entrypoint": ["python", str(script)], "env": {"STEPS": "6"}},
+                       restart={"max_restarts": 1})
+    result = up(cfg, tmp_path / "run", timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+    st = status(tmp_path / "run")
+    assert st["state"] == "COMPLETED" and st["failures"] == [], st["failures"]
+    launch = next(e for e in journal(tmp_path / "run") if e["kind"] == "generation_launched")
+    assignment = next(iter(launch["assignments"].values()))
+    argv = assignment["entrypoint"]
+    assert argv[0] == sys.executable and argv[1:] == [str(script)]
