@@ -146,8 +146,9 @@ class GenerationParts:
                 skip_windows=self.ctx.view.skip_windows, lr_scale=self.ctx.view.lr_scale,
                 # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
                 resume_max_step=resume_max,
-                collective_timeout_s=collective_timeout_s(self.cfg.timeouts,
-                                                          self.intake.training_timeout),
+                collective_timeout_s=collective_timeout_s(
+                    self.cfg.timeouts, self.intake.training_timeout,
+                    own_script=self.cfg.job.entrypoint is not None),
                 chaos=self.intake.chaos.plan(),
             ).to_env(),
         }

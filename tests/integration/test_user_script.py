@@ -64,3 +64,6 @@ def test_a_bare_python_entrypoint_runs_on_the_orchestrators_interpreter(
     assignment = next(iter(launch["assignments"].values()))
     argv = assignment["entrypoint"]
     assert argv[0] == sys.executable and argv[1:] == [str(script)]
+    # A script's collectives time out 60 s above its longest hang timeout (start-up and
+    # finishing, 300 s), not 60 s above the 1,800 s compiling phase it never reports.
+    assert float(assignment["env"]["ORCH_COLLECTIVE_TIMEOUT_S"]) == 360.0
