@@ -329,6 +329,8 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
     if kind == "node_state" and e.get("state") in ("lost", "excluded", "failed"):
         return "warning", (f"node {text('node_id')} {text('state')}"
                            + (f": {text('reason')}" if e.get("reason") else ""))
+    if kind == "resume_mismatch":
+        return "warning", f"generation {text('generation')}: {text('message')}"
     if kind in ("checkpoint_failed", "checkpoint_skipped"):
         why = (text("reason") or text("error")).strip().splitlines()
         why_short = why[0][:_SHORT] + ("..." if len(why[0]) > _SHORT or len(why) > 1 else "") \

@@ -65,6 +65,7 @@ class JobView:
     divergence: dict[str, Any] | None = None  # a rollback asked for and not yet carried out
     last_failure_reason: str | None = None
     ended_by: Cause | None = None  # what ended the newest generation (a failure, a stop)
+    resume_mismatch: dict[str, Any] | None = None  # ranks resumed from different steps
     health: list[dict[str, Any]] = field(default_factory=list)
     first_steps: dict[int, int] = field(default_factory=dict)
     recovery_delay_s: float | None = None  # the backoff of the newest RECOVERING move
@@ -152,6 +153,9 @@ class JobView:
             self.restarts.append({"generation": self.generation, "ts": ts,
                                   "cause": e.after_cause.value if e.after_cause else None,
                                   "resume_step": e.resume_step})
+
+    def _on_resume_mismatch(self, e: ev.ResumeMismatch, ts: float) -> None:
+        self.resume_mismatch = {"generation": e.generation, "message": e.message, "ts": ts}
 
     def _on_failure(self, e: ev.Failure, ts: float) -> None:
         self.failures.append({**e.fields(), "ts": ts})

@@ -191,6 +191,10 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     table.add_row("run dir", status["run_dir"])
     for s in (status.get("stragglers") or {}).get("named", []):
         table.add_row("straggler", straggler_line(s), style="yellow")
+    mismatch = status.get("resume_mismatch")
+    if mismatch:
+        table.add_row("resumed apart", Text(f"generation {mismatch.get('generation')}: "
+                                            f"{mismatch.get('message')}"), style="yellow")
     parts.append(table)
     if status["restarts"] or status["failures"]:
         t = Table(title="failures", title_justify="left")

@@ -53,8 +53,10 @@ class JobConfig(Section):
         description=(
             "Working directory of every rank (created if missing; relative paths are taken "
             "from the agent's directory). `{node_id}` is replaced by the node's id: with the "
-            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files. "
-            "Default: the agent's own working directory, as torchrun does."
+            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files (not "
+            "for a script whose ranks all resume from a snapshot in their working directory: "
+            "they would resume from different steps). Default: the agent's own working "
+            "directory, as torchrun does."
         ),
     )
     master_port: int | None = Field(
