@@ -201,7 +201,7 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
         for col in ("generation", "cause", "rank", "node", "detail"):
             t.add_column(col)
         for f in status["failures"][-5 if compact else None:]:
-            t.add_row(str(f["generation"]), f["cause"], str(f["rank"]), str(f["node_id"]),
+            t.add_row(_cell(f["generation"]), f["cause"], _cell(f["rank"]), _cell(f["node_id"]),
                       f["message"] or "")
         parts.append(t)
     if status["root_cause"] and status["state"] in ("FAILED",) and not compact:
@@ -238,7 +238,8 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     for col in ("node", "state", "node rank", "host"):
         t.add_column(col)
     for node_id, n in sorted(status["nodes"].items()):
-        t.add_row(node_id, str(n.get("state")), str(n.get("node_rank")), str(n.get("host", "")))
+        t.add_row(node_id, _cell(n.get("state")), _cell(n.get("node_rank")),
+                  _cell(n.get("host")) if n.get("host") else "")
     parts.append(t)
     return parts
 
@@ -267,6 +268,11 @@ def profiles_table(profiles: list[dict]) -> Table:
                   f"{p['written']} / {p['ranks']}", f"{p['bytes'] / 2**20:.1f} MiB",
                   p["dir"] + failed)
     return t
+
+
+def _cell(value: object) -> str:
+    """A table cell: ``-`` for a value not known (never a Python ``None``)."""
+    return "-" if value is None else str(value)
 
 
 def _num(value: object, fmt: str = ".4g") -> str:
@@ -306,6 +312,9 @@ def _stability_table(st: dict) -> Table:
 def validate_config(config: Path, overrides: list[str]) -> int:
     """Every problem of the config, then what this machine lacks for it (an optional module,
     a running allocation that does not match); exit 1 if any."""
+    import os
+
+    from orchestrator.allocation import mismatch as allocation_mismatch
     from orchestrator.config import ConfigError, Problem, load_config
     from orchestrator.extras import missing
 
@@ -315,6 +324,9 @@ def validate_config(config: Path, overrides: list[str]) -> int:
         _print_problems(exc.source, exc.problems)
         return 1
     problems = [Problem(n.field, n.problem) for n in missing(cfg)]
+    misfit = allocation_mismatch(cfg, os.environ)  # run inside an allocation: does it fit?
+    if misfit:
+        problems.append(Problem("cluster", misfit))
     if problems:
         _print_problems(str(config), problems)
         return 1

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from orchestrator.config.deploy import DeployConfig
 from orchestrator.health.config import HealthConfig
 from stability.config import StabilityConfig
 from trainer.config import CheckpointConfig, FieldError, TrainerConfig, check_sections
@@ -452,6 +453,9 @@ class Config(Section):
     stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description="What `orchestrator "
+                                 "deploy` renders (Kubernetes, Slurm, SageMaker); unused by "
+                                 "the job itself.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
