@@ -35,6 +35,10 @@ app.add_typer(config_app, name="config")
 from orchestrator.cli.sagemaker import sagemaker_app
 
 app.add_typer(sagemaker_app, name="sagemaker", context_settings=_CONTEXT)
+deploy_app = typer.Typer(help="Render what a platform needs to run a job from its config "
+                              "(sizes from cluster, the rest from the deploy: section).",
+                         no_args_is_help=True, context_settings=_CONTEXT)
+app.add_typer(deploy_app, name="deploy")
 
 
 def _version(value: bool) -> None:
@@ -275,6 +279,42 @@ def data_prepare(
     from orchestrator.cli.views import prepare_data
 
     raise typer.Exit(prepare_data(out, source or "stdlib", tokenizer, max_bytes))
+
+
+DeployConfigArg = Annotated[Path, typer.Argument(help="The job's config YAML.")]
+OutOpt = Annotated[Path | None, typer.Option(
+    "--out", "-o", help="Directory to write the files to (default: print them).",
+    show_default=False)]
+
+
+@deploy_app.command("kubernetes")
+def deploy_kubernetes(config: DeployConfigArg, overrides: SetOpt = None,
+                      out: OutOpt = None) -> None:
+    """A kustomization directory: the supervisor as a Job, the agents as an Indexed Job of
+    nodes + spares pods, the config as a ConfigMap (kubectl apply -k OUT)."""
+    from orchestrator.cli.deploy import render_deploy
+
+    raise typer.Exit(render_deploy("kubernetes", config, overrides or [], out))
+
+
+@deploy_app.command("slurm")
+def deploy_slurm(config: DeployConfigArg, overrides: SetOpt = None, out: OutOpt = None) -> None:
+    """One sbatch file with the job's config inside (--nodes, --ntasks-per-node,
+    --gpus-per-node from the cluster section)."""
+    from orchestrator.cli.deploy import render_deploy
+
+    raise typer.Exit(render_deploy("slurm", config, overrides or [], out))
+
+
+@deploy_app.command("sagemaker")
+def deploy_sagemaker(config: DeployConfigArg, overrides: SetOpt = None, out: OutOpt = None,
+                     job_name: Annotated[str | None, typer.Option(
+                         help="Training job name (default: job.name).")] = None) -> None:
+    """The CreateTrainingJob request (token hidden) and its config channel's file; the
+    instance count is cluster.nodes + cluster.spares."""
+    from orchestrator.cli.deploy import render_deploy
+
+    raise typer.Exit(render_deploy("sagemaker", config, overrides or [], out, job_name))
 
 
 @stability_app.command("replay")

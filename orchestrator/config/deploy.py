@@ -18,6 +18,8 @@ _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([
                         r"{0,61}[A-Za-z0-9])?$")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
 _SBATCH_VALUE = re.compile(r"^[^\s'\"\\$`;#]{1,200}$")
+_RESERVED_MOUNTS = ("/", "/dev/shm", "/etc/orchestrator", "/var/run/orchestrator",
+                    "/var/run/orchestrator-secret", "/scratch")
 
 
 class _Section(BaseModel):
@@ -60,6 +62,10 @@ class KubernetesDeploy(_Section):
     cache_host_path: str = Field(
         "/var/cache/orchestrator", description="Node-local directory (hostPath) for the "
         "compile caches (Neuron, inductor, torch extensions): never a shared filesystem.")
+    host_paths: dict[str, str] = Field(
+        default_factory=dict, description="More node-local directories for the agent pods: "
+        "path in the pod -> directory on the node (the paths job.env and health.scratch_dir "
+        "name, e.g. a local NVMe).")
     service_account: str | None = Field(
         None, description="Service account of every pod (S3 access through IRSA or EKS "
         "Pod Identity); created by the manifests when role_arn is set.")
@@ -107,6 +113,17 @@ class KubernetesDeploy(_Section):
     def _absolute(cls, v: str) -> str:
         if not v.startswith("/") or "\0" in v:
             raise ValueError("an absolute path on the node")
+        return v
+
+    @field_validator("host_paths")
+    @classmethod
+    def _paths(cls, v: dict[str, str]) -> dict[str, str]:
+        for inside, node in v.items():
+            for path in (inside, node):
+                if not path.startswith("/") or "\0" in path or len(path) > 4096:
+                    raise ValueError(f"{inside!r}: {node!r}: absolute paths")
+            if inside in _RESERVED_MOUNTS or inside.startswith("/scratch/"):
+                raise ValueError(f"{inside!r} is where the pods mount their own volumes")
         return v
 
 
