@@ -289,7 +289,8 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
     """A short human line for a journal event and its level ("info", "warning", "error"),
     or None for the events only ``--verbose`` (or nobody) needs on the console."""
     kind = e.get("kind")
-    text = lambda key: str(e.get(key, ""))[:300]
+    # A field a line leaves out (or null) reads "?": never Python's None.
+    text = lambda key: "?" if e.get(key) is None else str(e[key])[:300]
     if kind == "transition":
         to, cause, reason = text("to"), e.get("cause"), e.get("reason")
         tail = "".join([f" ({cause})" if cause and cause != "completed" else "",
@@ -300,7 +301,9 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
         where = " ".join(x for x in (f"rank {e['rank']}" if _int(e.get("rank")) is not None
                                      else "", f"on {text('node_id')}" if e.get("node_id")
                                      else "") if x)
-        return "error", (f"generation {text('generation')} failed: {text('cause')}"
+        gen = _int(e.get("generation"))
+        what = f"generation {gen} failed" if gen is not None else "the job cannot start"
+        return "error", (f"{what}: {text('cause')}"
                          f"{' ' + where if where else ''}: {text('message')}")
     if kind == "generation_launched":
         gen = _int(e.get("generation")) or 0

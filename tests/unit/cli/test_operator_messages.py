@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator import events as ev
 from orchestrator.cli.ranklogs import show_logs
@@ -232,3 +234,35 @@ def test_up_on_a_live_jobs_directory_says_follow_or_stop_not_resume(tmp_path: Pa
     stopped = _cli("up", "--run-dir", str(run))
     assert stopped.returncode == 2
     assert f"orchestrator up --resume {run}" in " ".join(stopped.stderr.split())
+
+
+def test_a_failure_before_any_generation_prints_no_none() -> None:
+    level, text = describe({"kind": "failure", "cause": "config", "generation": None,
+                            "rank": None, "node_id": None,
+                            "message": "the Slurm allocation has 1 node(s)"})
+    assert (level, text) == ("error", "the job cannot start: config: the Slurm allocation "
+                                      "has 1 node(s)")
+
+
+_KINDS = ["transition", "failure", "generation_launched", "stability", "rollback",
+          "node_state", "checkpoint_failed", "checkpoint_skipped", "checkpoint_committed",
+          "supervisor_started", "resume_mismatch"]
+_FIELDS = ["generation", "rank", "node_id", "cause", "message", "after_cause", "resume_step",
+           "from", "to", "reason", "step", "event", "action", "state", "error", "tier",
+           "restore_step", "onset_step", "skip_window", "pid", "url"]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(kind=st.sampled_from(_KINDS),
+       fields=st.dictionaries(st.sampled_from(_FIELDS),
+                              st.none() | st.integers(-5, 10**6) | st.text(max_size=20),
+                              max_size=10))
+def test_no_human_line_prints_a_python_none(kind: str, fields: dict) -> None:
+    """Whatever a journal line leaves out or sets to null, the console says something
+    meaningful instead of Python's None (after None, generation None, rank None)."""
+    for verbose in (False, True):
+        said = describe({"kind": kind, **fields}, verbose=verbose)
+        if said is not None:
+            text = said[1]
+            planted = any(v is not None and "None" in str(v) for v in fields.values())
+            assert planted or "None" not in text, text
