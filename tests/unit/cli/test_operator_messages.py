@@ -266,3 +266,16 @@ def test_no_human_line_prints_a_python_none(kind: str, fields: dict) -> None:
             text = said[1]
             planted = any(v is not None and "None" in str(v) for v in fields.values())
             assert planted or "None" not in text, text
+
+
+def test_validate_names_the_script_a_job_runs_not_the_trainers_model(tmp_path: Path) -> None:
+    script = tmp_path / "job.yaml"
+    script.write_text("job: {name: s, entrypoint: [python, train.py, --epochs, '3']}\n")
+    said = _cli("validate", str(script))
+    assert said.returncode == 0, said.stderr
+    line = " ".join(said.stdout.split())
+    assert "runs python train.py --epochs 3" in line and "model" not in line, line
+    assert "steps" not in line
+    (tmp_path / "ours.yaml").write_text("trainer: {steps: 200}\n")
+    ours = _cli("validate", str(tmp_path / "ours.yaml"))
+    assert "model tiny, 200 steps" in " ".join(ours.stdout.split())
