@@ -34,6 +34,7 @@ ORCH_REPLACEMENT               agent           '1': the rank replaces a failed o
 ORCH_HOOK_PID                  preload hook    pid of the rank the hook serves (children skip)
 ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled)
 ORCH_CHECKPOINT_KEY_FILE       supervisor      path of the checkpoint signing key file
+ORCH_NODE_COUNT                deploy          pods of the agents' Indexed Job (nodes + spares)
 =============================  ==============  ==================================================
 """
 
@@ -72,11 +73,13 @@ HOOK_PID = "ORCH_HOOK_PID"
 MEMORY_DIR = "ORCH_MEMORY_DIR"  # the node's memory-tier directory (the agent's to own)
 CHECKPOINT_KEY = "ORCH_CHECKPOINT_KEY"  # read by trainer.checkpoint.signing
 CHECKPOINT_KEY_FILE = "ORCH_CHECKPOINT_KEY_FILE"  # read by trainer.checkpoint.signing
+# Written into the agent pods by `orchestrator deploy kubernetes`; read by orchestrator.allocation.
+NODE_COUNT = "ORCH_NODE_COUNT"
 
 ALL = (TOKEN, AGENT_SOCKET, CONFIG, NODE_ID, HEARTBEAT_INTERVAL, RUN_DIR, JOB, GENERATION,
        CHECKPOINT_ROOT, SKIP_WINDOWS, LR_SCALE, RESUME_MAX_STEP, COLLECTIVE_TIMEOUT_S, CHAOS,
        HEALTH_NET, HEALTH_OUT, WARM_HANDOFF_TS, HOOK_PID, CHECKPOINT_KEY,
-       CHECKPOINT_KEY_FILE)
+       CHECKPOINT_KEY_FILE, NODE_COUNT)
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 _MAX_LEN = 1 << 20  # a JSON value past 1 MiB in the environment is a bug, not a config

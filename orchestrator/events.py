@@ -501,6 +501,15 @@ class MessageRejected(Event):
     count: Count = 1
 
 
+class ResumeMismatch(Event):
+    """The ranks of a generation resumed from different optimizer steps (a warning)."""
+
+    kind: Literal["resume_mismatch"] = "resume_mismatch"
+    generation: Gen | None = None
+    steps: dict[Name, Step] = Field(default_factory=dict, max_length=4096)  # rank -> step
+    message: Text = ""
+
+
 class JournalSkipped(Event):
     """Lines of the journal a reader could not parse (reported once per reader)."""
 
@@ -515,7 +524,7 @@ AnyEvent = Annotated[Union[  # noqa: UP007 (a discriminated union needs Union he
     RankExited, RanksExited, Failure, CheckpointCommitted, CheckpointPruned, FirstStep,
     Progress, Calibration, Chaos, StabilityFired, Rollback, HealthRound, HealthResult, WorkerNote,
     MessageRejected, JournalSkipped, ProfileRequested, ProfileWritten, ProfileFailed,
-    Straggler, RestoreTier, MemoryTier], Field(discriminator="kind")]
+    Straggler, RestoreTier, MemoryTier, ResumeMismatch], Field(discriminator="kind")]
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
 _MODELS: dict[str, type[Event]] = {}

@@ -114,6 +114,7 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
                                   for s in view.straggler_log[-10:]]},
         "memory_tier": view.memory_tier,
         "restore_tiers": view.restore_tiers,
+        "resume_mismatch": view.resume_mismatch,
     }
 
 

@@ -125,8 +125,9 @@ class DataConfig(_Section):
             "globs, or null to require prepared shards."
         ),
     )
-    prepare_max_bytes: int = Field(
-        8 * 2**20, gt=0, description="Cap on the bytes of source text read when preparing."
+    prepare_max_bytes: int | None = Field(
+        None, gt=0, description="Cap on the bytes of source text read when preparing "
+        "(default: 8 MiB of the stdlib, every byte of a list of files)."
     )
     tokenizer: str = Field(
         "byte", description="'byte' (byte-level, no download) or a path to a HF tokenizer.json."

@@ -67,21 +67,82 @@ def _signature(outcome: str | None, trust: Any) -> str:
     return outcome or "-"
 
 
+def missing_extra(urls: list[str], feature: str) -> int | None:
+    """Exit code 2 with one line naming the extra to install when a URL needs a module that
+    is not installed (``s3://`` without s3fs); None when every URL can be read."""
+    from orchestrator.extras import MissingExtra, require_for_url
+
+    try:
+        for url in urls:
+            require_for_url(url, f"{feature} {url}")
+    except MissingExtra as exc:
+        err.print(f"[red]error[/red] {exc}", highlight=False, markup=False)
+        return 2
+    return None
+
+
+def run_checkpoint_roots(target: Path) -> list[str] | None:
+    """The job checkpoint roots (``<root>/<job>``, every tier) of a run directory, or None
+    when ``target`` is not one (a checkpoint root is listed as it is)."""
+    from orchestrator.rundir import RunDir
+    from orchestrator.status import load_view
+
+    if not (target / "events.jsonl").is_file():
+        return None
+    run = RunDir(target.resolve())
+    view = load_view(run)
+    if not view.job:
+        return []
+    roots = [view.checkpoint_root or run.checkpoint_root(None)]
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(run.config.read_text())
+        local = (cfg.get("checkpoint") or {}).get("local_url") if isinstance(cfg, dict) else None
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        local = None
+    if isinstance(local, str) and local:
+        roots.insert(0, local)
+    return [f"{r.rstrip('/')}/{view.job}" for r in roots]
+
+
 def list_checkpoints(urls: list[str], checksums: bool, json_out: bool,
                      key_file: str | None = None, trust_unsigned: bool = False) -> int:
-    """Exit 0 when every committed checkpoint listed verifies, 1 when one does not."""
+    """Exit 0 when every committed checkpoint listed verifies, 1 when one does not or when
+    there is none to list. ``urls`` are job checkpoint roots or run directories (default:
+    ``runs/latest``)."""
     from trainer.checkpoint import signing
     from trainer.checkpoint.store import describe, resolve
 
+    roots: list[str] = []
+    run_roots: set[str] = set()
+    for url in urls or [str(Path("runs") / "latest")]:
+        from_run = run_checkpoint_roots(Path(url)) if "://" not in url else None
+        if from_run is None and not urls:
+            err.print(f"[red]error[/red] {url} is not a run directory: name a run directory "
+                      "or a job's checkpoint root (<root>/<job>)", highlight=False)
+            return 2
+        roots += from_run if from_run is not None else [url]
+        run_roots.update(from_run or [])
+    code = missing_extra(roots, "listing checkpoints at")
+    if code is not None:
+        return code
     rows = []
     try:
-        for url in urls:
+        for url in roots:
+            if url in run_roots and "://" not in url and not Path(url).exists():
+                continue  # a run that has committed nothing yet has no directory for it
             root, _ = resolve(url)
             rows += describe(root, checksums=checksums,
                              trust=_trust(root, key_file, trust_unsigned))
     except (OSError, ValueError, signing.SigningKeyError) as exc:
         err.print(f"[red]error[/red] {exc}", highlight=False)
         return 2
+    if not rows:
+        err.print(f"no checkpoints under {', '.join(roots) or ', '.join(urls)}",
+                  highlight=False, markup=False)
+        return 1
+    urls = roots
     rows.sort(key=lambda r: (r.step, r.tier))
     failing = [r for r in rows if r.committed and not r.verified]
     if json_out:
@@ -116,6 +177,9 @@ def verify_checkpoint(url: str, key_file: str | None = None,
     from trainer.checkpoint import layout, signing
     from trainer.checkpoint.store import resolve
 
+    code = missing_extra([url], "verifying checkpoints at")
+    if code is not None:
+        return code
     try:
         root, step = resolve(url)
         if step is None:
@@ -152,6 +216,9 @@ def prune_checkpoints(url: str, keep_last: int, keep_every: int | None, dry_run:
     from trainer.checkpoint import layout, signing
     from trainer.checkpoint.store import resolve
 
+    code = missing_extra([url], "pruning checkpoints at")
+    if code is not None:
+        return code
     try:
         root, step = resolve(url)
         if step is not None:
@@ -188,6 +255,9 @@ def sign_checkpoints(url: str, key_file: str | None, from_key_file: str | None,
     from trainer.checkpoint import layout, signing
     from trainer.checkpoint.store import resolve
 
+    code = missing_extra([url], "signing checkpoints at")
+    if code is not None:
+        return code
     try:
         root, step = resolve(url)
         new = _trust(root, key_file, False)
@@ -219,9 +289,18 @@ def sign_checkpoints(url: str, key_file: str | None, from_key_file: str | None,
 def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None,
               key_file: str | None = None, trust_unsigned: bool = False,
               adapter_only: bool = False) -> int:
+    from orchestrator.extras import MissingExtra, require
     from trainer.checkpoint import layout, signing
     from trainer.checkpoint.store import resolve
 
+    code = missing_extra([checkpoint], "exporting the checkpoint at")
+    if code is not None:
+        return code
+    try:
+        require("safetensors", "the Hugging Face export (model.safetensors)")
+    except MissingExtra as exc:
+        err.print(f"[red]error[/red] {exc}", highlight=False, markup=False)
+        return 2
     try:
         root, step = resolve(checkpoint)
         trust = _trust(root, key_file, trust_unsigned)

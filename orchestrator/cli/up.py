@@ -16,6 +16,7 @@ from rich.console import Console
 from orchestrator.cli.live import LogFormat, Verbosity
 from orchestrator.cli.liveness import api_ssl_context, api_urls, healthz, supervisor_info
 from orchestrator.cli.liveness import check as supervisor_liveness
+from orchestrator.cli.liveness import pid_alive
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
 from orchestrator.rundir import RunDir
@@ -25,6 +26,9 @@ console = Console(stderr=True)
 # `up --detach` waits this long for the daemon to listen (data preparation comes first and
 # can take a minute on a cold machine); past it, the daemon keeps starting on its own.
 _DETACH_WAIT_S = 600.0
+# `up --resume` of a stopped job waits for its old supervisor's exit: the agents' stop grace
+# plus this (one long-poll round trip, closing the API, writing the summary).
+_SHUTDOWN_MARGIN_S = 20.0
 
 
 def _load(config: Path | None, overrides: list[str], chaos_kill_at: list[int]) -> Config:
@@ -53,10 +57,9 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
         console.print(f"[red]error[/red] {problem}")
         return 2
     if resume is not None:
-        alive = supervisor_liveness(run)
-        if alive.running:  # never a second supervisor, never its pid file
-            console.print(f"[red]error[/red] the supervisor of {run.root} is already "
-                          f"{alive.describe()}; stop it first (orchestrator down {run.root})")
+        refusal = _resume_refusal(run, cfg)
+        if refusal:  # never a second supervisor, never its pid file
+            console.print(f"[red]error[/red] {refusal}")
             return 1
     else:
         try:
@@ -83,16 +86,64 @@ def _launcher_problem(cfg: Config) -> str | None:
     return None
 
 
+def _resume_refusal(run: RunDir, cfg: Config) -> str | None:
+    """Why ``up --resume`` cannot start a supervisor for ``run`` now; None when it can.
+
+    A stopped job's supervisor journals STOPPED, then tells its agents to exit and waits
+    for them: a resume right after ``down`` (or Ctrl-C) waits for that process to end."""
+    from orchestrator.status import load_view
+
+    alive = supervisor_liveness(run)
+    if not alive.running:
+        return None
+    state = load_view(run).state
+    if state.terminal and alive.pid is not None:
+        wait_s = cfg.timeouts.stop_grace_s + _SHUTDOWN_MARGIN_S
+        with console.status(f"waiting for the supervisor of the {state.value} job (pid "
+                            f"{alive.pid}) to finish shutting down..."):
+            deadline = time.monotonic() + wait_s
+            while pid_alive(alive.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if not pid_alive(alive.pid):
+            return None
+        return (f"the supervisor of {run.root} (pid {alive.pid}) has journaled {state.value} "
+                f"but is still shutting down after {wait_s:.0f} s; wait for it to exit, or "
+                f"end it (kill {alive.pid}), then resume")
+    return (f"the supervisor of {run.root} is already {alive.describe()}; the job is "
+            f"{state.value}: follow it (orchestrator status --watch {run.root}) or stop it "
+            f"first (orchestrator down {run.root})")
+
+
 def _new_run_dir(cfg: Config, run_dir: Path | None) -> RunDir:
     if run_dir is None:
         return RunDir.create(cfg.job.run_root, cfg.job.name)
     run_dir = run_dir.expanduser().resolve()
     journal = run_dir / "events.jsonl"
     if journal.exists() and journal.stat().st_size > 0:
-        raise FileExistsError(f"{run_dir} already holds a job; use --resume {run_dir}")
+        raise FileExistsError(_taken_run_dir(RunDir(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)
     _point_latest(Path(cfg.job.run_root).expanduser().resolve(), run_dir)
     return RunDir(run_dir)
+
+
+def _taken_run_dir(run: RunDir) -> str:
+    """What to do with a run directory that already holds a job, by the job's state."""
+    from orchestrator.status import load_view
+
+    state = load_view(run).state
+    alive = supervisor_liveness(run)
+    if alive.running:
+        return (f"{run.root} holds a {state.value} job whose supervisor is {alive.describe()}:"
+                f" follow it (orchestrator status --watch {run.root}), stop it (orchestrator "
+                f"down {run.root}), or give this job another --run-dir")
+    if state is JobState.STOPPED:
+        return (f"{run.root} holds a STOPPED job: continue it with orchestrator up --resume "
+                f"{run.root}, or give this job another --run-dir")
+    if state.terminal:
+        return f"{run.root} holds a {state.value} job: give this job another --run-dir"
+    return (f"{run.root} holds a {state.value} job with no supervisor running: resume it "
+            f"with orchestrator up --resume {run.root} --detach, or give this job another "
+            "--run-dir")
 
 
 def _point_latest(run_root: Path, run_dir: Path) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -16,6 +18,9 @@ from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
 from orchestrator.status import build_status, load_view
 from orchestrator.summary import build_summary
+
+if TYPE_CHECKING:
+    from orchestrator.config import Config
 
 out = Console()
 err = Console(stderr=True)
@@ -196,13 +201,17 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     table.add_row("run dir", status["run_dir"])
     for s in (status.get("stragglers") or {}).get("named", []):
         table.add_row("straggler", straggler_line(s), style="yellow")
+    mismatch = status.get("resume_mismatch")
+    if mismatch:
+        table.add_row("resumed apart", Text(f"generation {mismatch.get('generation')}: "
+                                            f"{mismatch.get('message')}"), style="yellow")
     parts.append(table)
     if status["restarts"] or status["failures"]:
         t = Table(title="failures", title_justify="left")
         for col in ("generation", "cause", "rank", "node", "recovered", "detail"):
             t.add_column(col)
         for f in status["failures"][-5 if compact else None:]:
-            t.add_row(str(f["generation"]), f["cause"], str(f["rank"]), str(f["node_id"]),
+            t.add_row(_cell(f["generation"]), f["cause"], _cell(f["rank"]), _cell(f["node_id"]),
                       _recovery(f), f["message"] or "")
         parts.append(t)
     if status["root_cause"] and status["state"] in ("FAILED",) and not compact:
@@ -239,7 +248,8 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     for col in ("node", "state", "node rank", "host"):
         t.add_column(col)
     for node_id, n in sorted(status["nodes"].items()):
-        t.add_row(node_id, str(n.get("state")), str(n.get("node_rank")), str(n.get("host", "")))
+        t.add_row(node_id, _cell(n.get("state")), _cell(n.get("node_rank")),
+                  _cell(n.get("host")) if n.get("host") else "")
     parts.append(t)
     return parts
 
@@ -268,6 +278,11 @@ def profiles_table(profiles: list[dict]) -> Table:
                   f"{p['written']} / {p['ranks']}", f"{p['bytes'] / 2**20:.1f} MiB",
                   p["dir"] + failed)
     return t
+
+
+def _cell(value: object) -> str:
+    """A table cell: ``-`` for a value not known (never a Python ``None``)."""
+    return "-" if value is None else str(value)
 
 
 def _num(value: object, fmt: str = ".4g") -> str:
@@ -305,26 +320,56 @@ def _stability_table(st: dict) -> Table:
 
 
 def validate_config(config: Path, overrides: list[str]) -> int:
-    from orchestrator.config import ConfigError, load_config
+    """Every problem of the config, then what this machine lacks for it (an optional module,
+    a running allocation that does not match); exit 1 if any."""
+    import os
+
+    from orchestrator.allocation import mismatch as allocation_mismatch
+    from orchestrator.config import ConfigError, Problem, load_config
+    from orchestrator.extras import missing
 
     try:
         cfg = load_config(config, overrides)
     except ConfigError as exc:
-        err.print(f"[red]{exc.source}[/red]: {len(exc.problems)} problem(s)")
-        for p in exc.problems:
-            err.print(f"  [bold]{p.path}[/bold]: {p.message}", highlight=False)
+        _print_problems(exc.source, exc.problems)
         return 1
-    out.print(f"{config}: ok (job {cfg.job.name}, {cfg.cluster.nodes} nodes x "
-              f"{cfg.cluster.procs_per_node} ranks, model {cfg.trainer.model.preset}, "
-              f"{cfg.trainer.steps} steps)")
+    problems = [Problem(n.field, n.problem) for n in missing(cfg)]
+    misfit = allocation_mismatch(cfg, os.environ)  # run inside an allocation: does it fit?
+    if misfit:
+        problems.append(Problem("cluster", misfit))
+    if problems:
+        _print_problems(str(config), problems)
+        return 1
+    out.print(f"{config}: ok ({describe_job(cfg)})", highlight=False)
     return 0
 
 
+def _print_problems(source: str, problems: list) -> None:
+    err.print(f"[red]{escape(source)}[/red]: {len(problems)} problem(s)")
+    for p in problems:
+        err.print(f"  [bold]{escape(p.path)}[/bold]: {escape(p.message)}", highlight=False)
+
+
+def describe_job(cfg: Config) -> str:
+    """``job t, 2 nodes x 1 ranks, model tiny, 200 steps``; a script of the user's own is
+    named instead of the built-in trainer's model and step count, which it does not use."""
+    import shlex
+
+    shape = f"job {cfg.job.name}, {cfg.cluster.nodes} nodes x {cfg.cluster.procs_per_node} " \
+            f"ranks" + (f" + {cfg.cluster.spares} spare(s)" if cfg.cluster.spares else "")
+    if cfg.job.entrypoint:
+        return f"{shape}, runs {shlex.join(cfg.job.entrypoint)}"
+    return f"{shape}, model {cfg.trainer.model.preset}, {cfg.trainer.steps} steps"
+
+
 def prepare_data(out_dir: Path, source: list[str] | str, tokenizer: str,
-                 max_bytes: int) -> int:
+                 max_bytes: int | None) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from trainer.data.prepare import prepare_dataset
+    from trainer.data.prepare import default_max_bytes, prepare_dataset
+
+    if max_bytes is None:
+        max_bytes = default_max_bytes(source)
 
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=err) as bar:
@@ -337,4 +382,9 @@ def prepare_data(out_dir: Path, source: list[str] | str, tokenizer: str,
             return 1
     out.print(f"{out_dir}: {index['total_tokens']:,} tokens in {len(index['shards'])} shard(s) "
               f"from {index['documents']:,} documents")
+    if index.get("truncated") and not isinstance(source, str):
+        files = index.get("left_out_files") or 0
+        err.print(f"[yellow]left out[/yellow] {index.get('left_out_bytes', 0):,} bytes of the "
+                  f"sources ({files} file(s) in whole or in part) past --max-bytes "
+                  f"{index['max_bytes']:,}; raise --max-bytes to keep them", highlight=False)
     return 0

@@ -57,15 +57,31 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError("--set", [Problem(key, f"value is not valid YAML: {exc}")]) from None
+        why = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError("--set", [Problem(key, f"value is not valid YAML: {why}")]) from None
     return key.split("."), value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """A copy of ``data`` with each dotted override set (creating mappings as needed)."""
+    """A copy of ``data`` with each dotted override set (creating mappings as needed).
+
+    Every malformed override is reported at once (one ConfigError), not the first alone."""
+    out, problems = _apply(data, overrides)
+    if problems:
+        raise ConfigError("--set", problems)
+    return out
+
+
+def _apply(data: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
+    """``data`` with the well-formed overrides set, and a problem for each malformed one."""
     out = copy.deepcopy(data)
+    problems: list[Problem] = []
     for text in overrides:
-        parts, value = parse_override(text)
+        try:
+            parts, value = parse_override(text)
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -73,10 +89,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 child = node[part] = {}
             if not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
-                raise ConfigError("--set", [Problem(where, "is not a mapping; cannot set below it")])
+                problems.append(Problem(where, "is not a mapping; cannot set below it"))
+                break
             node = child
-        node[parts[-1]] = value
-    return out
+        else:
+            node[parts[-1]] = value
+    return out, problems
 
 
 def _problems(exc: ValidationError) -> list[Problem]:
@@ -89,9 +107,41 @@ def _problems(exc: ValidationError) -> list[Problem]:
             loc.append(field)
         message = str(original) if original is not None else err["msg"]
         if err["type"] == "extra_forbidden":
-            message = "unknown key (not in the schema)"
+            message = "unknown key (not in the schema)" + _did_you_mean(loc)
         problems.append(Problem(".".join(loc) or "<root>", message))
     return problems
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    """``; did you mean keep_last?`` for a key one typo away from a field of its section."""
+    import difflib
+
+    known = _section_keys(loc[:-1])
+    close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.75) if loc else []
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _section_keys(path: list[str]) -> list[str]:
+    """The field names of the config section at ``path`` ([] when it is not a section)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    model: Any = Config
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):
+            models = [a for a in typing.get_args(ann)
+                      if isinstance(a, type) and issubclass(a, BaseModel)]
+            ann = models[0] if len(models) == 1 else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -119,9 +169,15 @@ def validate_data(data: dict[str, Any], source: str) -> Config:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load ``path`` (default: the embedded ``configs/local.yaml``) with ``--set`` overrides."""
     source = Path(path) if path is not None else default_config_path()
-    data = apply_overrides(read_yaml(source), overrides or [])
+    data, malformed = _apply(read_yaml(source), overrides or [])
     label = str(source) + (" (with --set overrides)" if overrides else "")
-    return validate_data(data, label)
+    try:
+        cfg = validate_data(data, label)
+    except ConfigError as exc:  # the malformed overrides and the rest's problems, together
+        raise ConfigError(label, [*malformed, *exc.problems]) from None
+    if malformed:
+        raise ConfigError(label, malformed)
+    return cfg
 
 
 def config_hash(cfg: Config) -> str:

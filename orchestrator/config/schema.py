@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from orchestrator.config.deploy import DeployConfig
 from orchestrator.health.config import HealthConfig
 from stability.config import StabilityConfig
 from trainer.config import CheckpointConfig, FieldError, TrainerConfig, check_sections
@@ -53,8 +54,10 @@ class JobConfig(Section):
         description=(
             "Working directory of every rank (created if missing; relative paths are taken "
             "from the agent's directory). `{node_id}` is replaced by the node's id: with the "
-            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files. "
-            "Default: the agent's own working directory, as torchrun does."
+            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files (not "
+            "for a script whose ranks all resume from a snapshot in their working directory: "
+            "they would resume from different steps). Default: the agent's own working "
+            "directory, as torchrun does."
         ),
     )
     master_port: int | None = Field(
@@ -470,6 +473,9 @@ class Config(Section):
     stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description="What `orchestrator "
+                                 "deploy` renders (Kubernetes, Slurm, SageMaker); unused by "
+                                 "the job itself.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -136,7 +136,10 @@ class BookKeeper:
         if at_last_event and self.books.last_ts is not None:
             now = min(now, self.books.last_ts)
         self.ledger = self.books.snapshot(now)
-        self.metrics.set_books(self.ledger.seconds, self.ledger.goodput)
+        windows = self.books.windows
+        live = bool(windows) and windows[-1].end is None
+        self.metrics.set_books(self.ledger.seconds, self.ledger.goodput,
+                               hold=("failure_detection",) if live else ())
         return self.ledger
 
     async def run(self, every_s: float = REFRESH_S) -> None:

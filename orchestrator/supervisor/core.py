@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from orchestrator import events as ev
+from orchestrator.allocation import mismatch as allocation_mismatch
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
 from orchestrator.envcontract import read_token
@@ -81,6 +82,8 @@ class Supervisor:
         self.journal = Journal(run.journal, clock=clock.time)
         self.metrics = SupervisorMetrics(registry or CollectorRegistry(), cfg.job.name)
         self.metrics.set_info(cfg.trainer.model.preset, cfg.cluster.accelerator)
+        growth = cfg.stability.growth
+        self.metrics.set_thresholds(growth.ratio if growth.enabled else None)
         self.books = BookKeeper(run, self.metrics, clock)  # replays the run dir into metrics
         self.recorder = Recorder(self.journal, view, self.metrics)
         self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
@@ -183,6 +186,8 @@ class Supervisor:
                 # the newest checkpoint; the books leave the stopped time out.
                 self.transition(JobState.PENDING, reason="continued by the operator "
                                 "(up --resume)")
+            if self.view.state is JobState.PENDING:
+                self._refuse_misfit(allocation_mismatch(self.cfg, os.environ))
             if not self.view.state.terminal:
                 await self._drive()
         finally:
@@ -233,7 +238,13 @@ class Supervisor:
             JobState.STOPPING: self._on_stopping,
             JobState.RECOVERING: self._on_recovering,
         }
-        await self.launcher_start()
+        try:
+            await self.launcher_start()
+        except RuntimeError as exc:  # a launcher that cannot start here (srun, an allocation)
+            if self.view.state is not JobState.PENDING:
+                raise
+            self._refuse_misfit(str(exc))
+            return
         # A restarted supervisor finds its job mid-generation: re-attach before observing.
         carry: Any = _ADOPT if self.resumed and self.view.state in (
             JobState.LAUNCHING, JobState.RUNNING, JobState.STOPPING) else None
@@ -249,6 +260,16 @@ class Supervisor:
                 raise RuntimeError(f"no way out of {state.value}")  # a bug: never swallowed
             self.transition(nxt.state, cause=nxt.cause, reason=nxt.reason, delay_s=nxt.delay_s)
             carry = nxt.carry
+
+    def _refuse_misfit(self, problem: str | None) -> None:
+        """A config that does not fit where the job runs (the allocation's size, a launcher
+        that cannot start): a ``config`` failure in the journal and FAILED, before anything
+        starts; a restart cannot fix it (never a traceback, never a PENDING job left)."""
+        if not problem:
+            return
+        self.record(ev.Failure(cause=Cause.CONFIG, message=problem[:4096]), durable=True)
+        self.log.error("the job does not fit where it runs", reason=problem)
+        self.transition(JobState.FAILED, cause=Cause.CONFIG, reason=problem)
 
     def _operator_stop(self, state: JobState, always: bool = False) -> Next | None:
         """The move an operator's stop makes from ``state`` (None when none was asked for).

@@ -254,14 +254,25 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
     return Suspect(rp.rank, rp.phase or "init", rp.step, idle, beat_age, limit, silent)
 
 
-def collective_timeout_s(cfg: TimeoutsConfig, training: TrainingTimeout) -> float:
-    """torch.distributed's timeout: above every hang timeout, so we act first.
+def collective_timeout_s(cfg: TimeoutsConfig, training: TrainingTimeout,
+                         own_script: bool = False) -> float:
+    """torch.distributed's timeout: above every hang timeout that can judge the ranks, so we
+    act first.
 
     The orchestrator dumps stacks and names the stuck rank; a collective that times out
     first would only kill the rank with a less useful error. It is a backstop, never NCCL's
-    ten-minute default.
+    ten-minute default. The built-in trainer reports every phase, so the longest phase
+    timeout counts (compiling's 1,800 s by default). A script of the user's own is judged by
+    liveness before its first step and by the training timeout after it (the preload hook
+    reports no loading, compiling or checkpointing phase): the start-up phase, the training
+    and finishing timeouts and the node-loss silence bound it (360 s by default), not gloo's
+    30 minutes. A script that reports longer phases through the SDK and waits in a collective
+    meanwhile passes its own ``timeout=`` to ``init_process_group`` (kept as given).
     """
     phases = cfg.phases
-    longest = max(phases.init, phases.loading, phases.compiling, phases.checkpointing,
-                  phases.evaluating, phases.finishing, training.value())
+    if own_script:
+        longest = max(phases.init, phases.finishing, cfg.node_lost_s, training.value())
+    else:
+        longest = max(phases.init, phases.loading, phases.compiling, phases.checkpointing,
+                      phases.evaluating, phases.finishing, cfg.node_lost_s, training.value())
     return longest + 60.0

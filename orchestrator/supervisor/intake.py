@@ -39,9 +39,10 @@ from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import Suspect, TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
-from orchestrator.supervisor.outcome import Outcome
+from orchestrator.supervisor.outcome import Outcome, exit_reason
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.resumes import RESUME_EVENT, ResumeCheck
 from orchestrator.supervisor.stability import StabilityHook
 from orchestrator.supervisor.stragglers import StragglerWatch
 
@@ -74,6 +75,7 @@ class Intake:
         # Beats stamped and hangs judged on the service clock (``deadlines.LoopLag``).
         self.progress = ProgressTracker(ctx.rundir.steps, nodes.judge_clock, ctx.record)
         self.stragglers = StragglerWatch(ctx)
+        self.resumes = ResumeCheck()
         self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
                                  ctx.view.chaos_fired)
         self.generation: int | None = None
@@ -181,6 +183,7 @@ class Intake:
         self.running_since = None
         known = adopting and generation in self.ctx.view.first_steps
         self.progress.start_generation(generation, world_size, first_step_known=known)
+        self.resumes.begin(generation)
 
     async def apply_placement(self, placement: Placement) -> None:
         for node_id, rank in placement.active.items():
@@ -381,9 +384,20 @@ class Intake:
             else:
                 self.ctx.record(ev.WorkerNote(kind="worker_event", name=msg.name,
                                               node_id=node_id, **data, **where))
+                if msg.name == RESUME_EVENT and isinstance(data.get("step"), int):
+                    self._resumed(msg.generation, msg.rank, data["step"])
         except (ValidationError, ValueError, TypeError) as exc:
             self.reject(node_id, "events", f"worker event {msg.name!r} of rank {msg.rank}: "
                         f"{_first_problem(exc)}")
+
+    def _resumed(self, generation: int | None, rank: int, step: int) -> None:
+        warning = self.resumes.note(generation, rank, step)
+        if warning:
+            self.ctx.record(ev.ResumeMismatch(
+                generation=generation, message=warning,
+                steps={str(r): s for r, s in list(self.resumes.steps.items())[:4096]}))
+            self.ctx.log.warning("ranks resumed from different steps", generation=generation,
+                                 steps=dict(list(self.resumes.steps.items())[:16]))
 
     def reject(self, node_id: str | None, route: str, reason: str) -> None:
         """A message that was not the node's to send, or did not fit its type: journaled
@@ -470,7 +484,8 @@ def _describe_exit(e: dict[str, Any]) -> str:
     if not e:
         return "unknown failure"
     where = f"rank {e.get('rank')} on node {e.get('node_id')}"
-    error = f": {e['error']}" if e.get("error") else ""  # its error file, a spawn's OS error
+    reason = exit_reason(e)  # its error file, a spawn's OS error, else its last line
+    why = f": {reason}" if reason else ""
     if e.get("signal"):
-        return f"{where} was killed by {e['signal']}{error}"
-    return f"{where} exited with code {e.get('exit_code')}{error}"
+        return f"{where} was killed by {e['signal']}{why}"
+    return f"{where} exited with code {e.get('exit_code')}{why}"
