@@ -154,7 +154,9 @@ class RunDir:
         os.replace(tmp, path)
 
     def read_supervisor_info(self) -> dict[str, Any] | None:
+        from orchestrator import readback
+
         try:
-            return json.loads(self.supervisor_info.read_text())
-        except (OSError, json.JSONDecodeError):
+            return readback.read_object(self.supervisor_info, readback.SMALL)
+        except (OSError, readback.Unreadable):
             return None
