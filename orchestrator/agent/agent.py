@@ -42,9 +42,13 @@ from orchestrator.protocol import (
     WorkerEvent,
     keep_valid_records,
 )
+from orchestrator.steprecord import MAX_RECORDS_PER_BEAT
 
 # Events held while the supervisor is unreachable; beyond this the oldest are dropped.
 _MAX_QUEUED_EVENTS = 10_000
+# Answers that refuse a beat for what it says (not for a supervisor that is not ready):
+# its records are not sent again.
+_REFUSED = (400, 403, 409, 413, 422)
 
 
 class Agent:
@@ -193,7 +197,10 @@ class Agent:
             await asyncio.sleep(self.heartbeat_s)
             if not self._registered.is_set():
                 continue
-            generation, records = self.hub.take_records()
+            running = self.ranks.generation if self.ranks else None
+            generation, records = self.hub.take_records(MAX_RECORDS_PER_BEAT)
+            if generation != running:
+                records = []  # a generation that no longer runs here: the supervisor refuses them
             # One bad record (a user's metric that is a list, a 10 kB string) must not make
             # the beat unsendable, nor end this loop: it is dropped, and said once a beat.
             records, dropped = keep_valid_records(records)
@@ -201,8 +208,7 @@ class Agent:
                 self.log.warning("step records dropped: not valid for the protocol",
                                  dropped=dropped)
             try:
-                hb = Heartbeat(node_id=self.node_id,
-                               generation=self.ranks.generation if self.ranks else None,
+                hb = Heartbeat(node_id=self.node_id, generation=running,
                                free_port=self._port(), ranks=self._rank_infos(),
                                records=records)
             except ValidationError as exc:
@@ -213,8 +219,10 @@ class Agent:
                 await self._send_beat(hb.model_dump(mode="json"))
                 self._contact()
             except (Unreachable, SupervisorError) as exc:
-                # Keep the records for the next beat (the supervisor may be restarting).
-                if records and generation == self.hub.records_generation:
+                refused = isinstance(exc, SupervisorError) and exc.status in _REFUSED
+                # Keep the records for the next beat (the supervisor may be restarting),
+                # unless it refused them: sent again, they would be refused again.
+                if records and not refused and generation == self.hub.records_generation:
                     self.hub.records[:0] = records
                 if isinstance(exc, SupervisorError):
                     self._forget_registration(exc)

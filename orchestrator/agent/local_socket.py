@@ -160,8 +160,9 @@ class LocalHub:
             "worker beat dropped: not valid for the protocol (said once per rank and "
             "problem; the rank's last valid beat stands)", rank=key[0], problem=problem)
 
-    def take_records(self) -> tuple[int | None, list[dict[str, Any]]]:
-        recs, self.records = self.records, []
+    def take_records(self, limit: int) -> tuple[int | None, list[dict[str, Any]]]:
+        """The oldest ``limit`` pending records and their generation (the rest wait)."""
+        recs, self.records = self.records[:limit], self.records[limit:]
         return self.records_generation, recs
 
     def reset(self) -> None:
