@@ -20,6 +20,7 @@ from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
 from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
+from orchestrator.textsafe import shown
 
 console = Console(stderr=True)
 # `up --detach` waits this long for the daemon to listen (data preparation comes first and
@@ -134,7 +135,7 @@ def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_a
         console.print(f"[red]error[/red] the supervisor exited with code {code} before it "
                       f"listened; its output ({out_path}):")
         for line in tail:
-            console.print(f"  {line}", markup=False, highlight=False)
+            console.print(f"  {shown(line)}", markup=False, highlight=False)
         return code or 1
     # The daemon writes it too, once it listens; written here as well so that it is there
     # when this command returns.

@@ -16,9 +16,16 @@ from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
 from orchestrator.status import build_status, load_view
 from orchestrator.summary import build_summary
+from orchestrator.textsafe import shown
 
 out = Console()
 err = Console(stderr=True)
+
+
+def _t(value: object) -> Text:
+    """A cell of text from the run (a node, a rank, a file): shown as it is, never as markup
+    or terminal control (``orchestrator.textsafe``)."""
+    return Text(shown(value))
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -35,7 +42,8 @@ def _fmt_s(seconds: float | None) -> str:
 def print_summary(run: RunDir) -> None:
     view = load_view(run)
     s = build_summary(view, run)
-    table = Table(title=f"job {view.job}: {s['state']}", show_header=False, title_justify="left")
+    table = Table(title=_t(f"job {view.job}: {s['state']}"), show_header=False,
+                  title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     # A script of the user's own has no step total we know of: none is invented.
@@ -52,11 +60,11 @@ def print_summary(run: RunDir) -> None:
     table.add_row("time lost", f"{_fmt_s(s['time_lost_s'])} of {_fmt_s(s['wall_time_s'])}"
                   + (f" ({top})" if top else ""))
     if s["failed_reason"]:
-        table.add_row("failed because", s["failed_reason"])
+        table.add_row("failed because", _t(s["failed_reason"]))
     failure = view.failures[-1] if view.failures else None
     if failure and s["state"] != "COMPLETED":
-        table.add_row("root cause", failure.get("message", ""))
-    table.add_row("run dir", str(run.root))
+        table.add_row("root cause", _t(failure.get("message", "")))
+    table.add_row("run dir", _t(run.root))
     out.print(table)
 
 
@@ -123,7 +131,7 @@ def show_status(run_dir: Path | None, json_out: bool, watch: bool = False,
     try:
         status, alive = _load_status(run_dir, use_api=not watch)
     except FileNotFoundError as exc:
-        err.print(f"[red]error[/red] {exc}")
+        err.print(Text("error ", style="red") + _t(exc))
         return 2
     if json_out:
         status["supervisor"] = {"running": alive.running, "pid": alive.pid,
@@ -163,42 +171,42 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     """The status as rich tables; ``compact`` (for --watch) leaves out the stability and books
     detail tables."""
     parts: list = []
-    table = Table(title=f"job {status['job']}", show_header=False, title_justify="left")
+    table = Table(title=_t(f"job {status['job']}"), show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("state", status["state"])
+    table.add_row("state", _t(status["state"]))
     total = status["total_steps"]
     pct = f" ({status['last_step'] / total:.0%})" if total else ""
     table.add_row("step", f"{status['last_step']} / {total}{pct}" if total
                   else f"{status['last_step']} (optimizer steps)")
     table.add_row("loss", "-" if status["loss"] is None else f"{status['loss']:.4f}")
-    table.add_row("generation", str(status["generation"]))
+    table.add_row("generation", _t(status["generation"]))
     table.add_row("goodput", f"{status['books']['goodput']:.1%}")
     table.add_row("wall time", _fmt_s(status["wall_time_s"]))
     terminal = JobState(status["state"]).terminal
     if not terminal or alive.running:
-        table.add_row("supervisor", alive.describe())
+        table.add_row("supervisor", _t(alive.describe()))
     if not terminal and not alive.running:
-        table.add_row("resume with", resume_command(RunDir(Path(status["run_dir"]))),
+        table.add_row("resume with", _t(resume_command(RunDir(Path(status["run_dir"])))),
                       style="yellow")
     if status["state"] == JobState.STOPPED.value and not alive.running:
-        table.add_row("continue with", f"orchestrator up --resume {status['run_dir']}")
-    table.add_row("run dir", status["run_dir"])
+        table.add_row("continue with", _t(f"orchestrator up --resume {status['run_dir']}"))
+    table.add_row("run dir", _t(status["run_dir"]))
     for s in (status.get("stragglers") or {}).get("named", []):
-        table.add_row("straggler", straggler_line(s), style="yellow")
+        table.add_row("straggler", _t(straggler_line(s)), style="yellow")
     parts.append(table)
     if status["restarts"] or status["failures"]:
         t = Table(title="failures", title_justify="left")
         for col in ("generation", "cause", "rank", "node", "detail"):
             t.add_column(col)
         for f in status["failures"][-5 if compact else None:]:
-            t.add_row(str(f["generation"]), f["cause"], str(f["rank"]), str(f["node_id"]),
-                      f["message"] or "")
+            t.add_row(_t(f["generation"]), _t(f["cause"]), _t(f["rank"]), _t(f["node_id"]),
+                      _t(f["message"] or ""))
         parts.append(t)
     if status["root_cause"] and status["state"] in ("FAILED",) and not compact:
         parts.append(Text("last log lines of the root cause:", style="bold"))
         for line in status["root_cause"]["log_tail"][-10:]:
-            parts.append(Text(f"  {line}"))
+            parts.append(_t(f"  {line}"))
     if not compact:
         parts.append(_stability_table(status["stability"]))
     if status["checkpoints"]:
@@ -208,8 +216,9 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
         t.add_column("age")
         t.add_column("path")
         for c in status["checkpoints"][-3 if compact else None:]:
-            t.add_row(str(c["step"]), c["tier"], _fmt_s(time.time() - (c["ts"] or time.time())),
-                      "\n".join(str(p) for p in c["paths"].values()))
+            t.add_row(_t(c["step"]), _t(c["tier"]),
+                      _fmt_s(time.time() - (c["ts"] or time.time())),
+                      _t("\n".join(str(p) for p in c["paths"].values())))
         parts.append(t)
     if status.get("profiles"):
         parts.append(profiles_table(status["profiles"][-3 if compact else None:]))
@@ -218,7 +227,7 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
         restores = status.get("restore_tiers") or []
         last = f"; last restore: {restores[-1]['tier']} ({restores[-1]['reason']})" \
             if restores else ""
-        parts.append(Text(
+        parts.append(_t(
             f"memory tier: step {memory['step']}, {memory['bytes'] / 2**20:.1f} MiB a rank, "
             f"{memory['node_bytes'] / 2**20:.1f} of {memory['node_budget_bytes'] / 2**20:.1f}"
             f" MiB on rank 0's node{' (+ partner copies)' if memory['partner'] else ''}"
@@ -229,7 +238,8 @@ def status_renderables(status: dict, alive: Liveness, compact: bool = False) -> 
     for col in ("node", "state", "node rank", "host"):
         t.add_column(col)
     for node_id, n in sorted(status["nodes"].items()):
-        t.add_row(node_id, str(n.get("state")), str(n.get("node_rank")), str(n.get("host", "")))
+        t.add_row(_t(node_id), _t(n.get("state")), _t(n.get("node_rank")),
+                  _t(n.get("host", "")))
     parts.append(t)
     return parts
 
@@ -254,16 +264,16 @@ def profiles_table(profiles: list[dict]) -> Table:
         first, last = p["start_step"], p["start_step"] + p["steps"] - 1
         late = f" (late: {', '.join(map(str, p['late_ranks']))})" if p["late_ranks"] else ""
         failed = "".join(f"\nrank {r}: {e}" for r, e in p["failed"].items())
-        t.add_row(str(p["id"]), f"{first}-{last}", p["state"] + late,
+        t.add_row(_t(p["id"]), f"{first}-{last}", _t(p["state"] + late),
                   f"{p['written']} / {p['ranks']}", f"{p['bytes'] / 2**20:.1f} MiB",
-                  p["dir"] + failed)
+                  _t(p["dir"] + failed))
     return t
 
 
 def _num(value: object, fmt: str = ".4g") -> str:
     if value is None:
         return "-"
-    return format(value, fmt) if isinstance(value, int | float) else str(value)
+    return format(value, fmt) if isinstance(value, int | float) else shown(value, 80)
 
 
 def _stability_table(st: dict) -> Table:
@@ -271,26 +281,27 @@ def _stability_table(st: dict) -> Table:
     t = Table(title="stability", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("grad norm", f"{_num(st['last_grad_norm'])} (r {_num(st['running_mean'])}, "
-                           f"threshold {_num(st['threshold'])}) at step {_num(st['step'])}")
-    lengths = ", ".join(f"{k}: {n}" for k, n in (st["spike_length_histogram"] or {}).items()
-                        if n) or "none"
-    t.add_row("spikes (lineage)", f"{_num(st['spikes_total'])} (by length {lengths}); longest "
-                        f"{_num(st['longest_spike'])}, current {_num(st['current_spike_length'])}")
-    t.add_row("growth", f"{_num(st['growth_ratio'], '.3g')}x over the lowest grad norm "
-                        f"{_num(st['lowest_grad_norm'])}")
-    t.add_row("param norm", _num(st["last_param_norm"]))
-    t.add_row("loss spikes / non-finite", f"{_num(st['loss_spikes_total'])} / "
-                                          f"{_num(st['nonfinite_total'])}")
-    t.add_row("updates skipped", str(st["updates_skipped"]))
-    t.add_row("events journaled", ", ".join(f"{k} x{n}" for k, n in st["events"].items())
-              or "none")
+    t.add_row("grad norm", _t(f"{_num(st['last_grad_norm'])} (r {_num(st['running_mean'])}, "
+                              f"threshold {_num(st['threshold'])}) at step {_num(st['step'])}"))
+    lengths = shown(", ".join(f"{k}: {n}" for k, n in
+                              (st["spike_length_histogram"] or {}).items() if n) or "none")
+    t.add_row("spikes (lineage)", _t(
+        f"{_num(st['spikes_total'])} (by length {lengths}); longest "
+        f"{_num(st['longest_spike'])}, current {_num(st['current_spike_length'])}"))
+    t.add_row("growth", _t(f"{_num(st['growth_ratio'], '.3g')}x over the lowest grad norm "
+                           f"{_num(st['lowest_grad_norm'])}"))
+    t.add_row("param norm", _t(_num(st["last_param_norm"])))
+    t.add_row("loss spikes / non-finite", _t(f"{_num(st['loss_spikes_total'])} / "
+                                             f"{_num(st['nonfinite_total'])}"))
+    t.add_row("updates skipped", _t(st["updates_skipped"]))
+    t.add_row("events journaled", _t(", ".join(f"{k} x{n}" for k, n in st["events"].items())
+                                     or "none"))
     rollbacks = [f"step {r['detected_step']} ({r['event']}, onset {r['onset_step']}) -> "
                  f"checkpoint {r['restore_step'] if r['restore_step'] is not None else 'none'}"
                  + (f", skipped batches [{r['skip_window'][0]}, {r['skip_window'][1]})"
                     if r["skip_window"] else "")
                  + f", LR x{_num(r['lr_scale_total'], '.3g')}" for r in st["rollbacks"]]
-    t.add_row("rollbacks", "\n".join(rollbacks) or "none")
+    t.add_row("rollbacks", _t("\n".join(rollbacks) or "none"))
     return t
 
 
@@ -300,13 +311,15 @@ def validate_config(config: Path, overrides: list[str]) -> int:
     try:
         cfg = load_config(config, overrides)
     except ConfigError as exc:
-        err.print(f"[red]{exc.source}[/red]: {len(exc.problems)} problem(s)")
+        err.print(Text(shown(exc.source), style="red"),
+                  Text(f": {len(exc.problems)} problem(s)"), sep="")
         for p in exc.problems:
-            err.print(f"  [bold]{p.path}[/bold]: {p.message}", highlight=False)
+            err.print(Text("  ") + Text(shown(p.path), style="bold")
+                      + Text(f": {shown(p.message)}"), highlight=False)
         return 1
-    out.print(f"{config}: ok (job {cfg.job.name}, {cfg.cluster.nodes} nodes x "
-              f"{cfg.cluster.procs_per_node} ranks, model {cfg.trainer.model.preset}, "
-              f"{cfg.trainer.steps} steps)")
+    out.print(_t(f"{config}: ok (job {cfg.job.name}, {cfg.cluster.nodes} nodes x "
+                 f"{cfg.cluster.procs_per_node} ranks, model {cfg.trainer.model.preset}, "
+                 f"{cfg.trainer.steps} steps)"))
     return 0
 
 
