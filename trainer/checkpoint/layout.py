@@ -41,6 +41,7 @@ from typing import IO, Any
 
 import fsspec
 
+from trainer.checkpoint import manifest as manifest_format
 from trainer.checkpoint import signing
 from trainer.checkpoint.files import (  # noqa: F401 (layout.X stays the public name)
     _CHUNK,
@@ -236,7 +237,7 @@ def write_manifest(step_url: str, manifest: dict[str, Any],
     if problem:
         raise Unsafe(problem)
     tmp = target + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o666)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
@@ -253,7 +254,8 @@ def _fsync(f: Any) -> None:
 
 def _load_manifest(fs: fsspec.AbstractFileSystem, path: str,
                    ) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) or (None, why not): a local manifest must be a regular file."""
+    """(manifest, None) or (None, why not): a local manifest must be a regular file; its
+    bytes are read and typed by ``manifest.parse`` (bounded, never raises)."""
     try:
         if is_local(fs):
             with LocalStep(path) as step, step.open(MANIFEST) as f:
@@ -270,13 +272,7 @@ def _load_manifest(fs: fsspec.AbstractFileSystem, path: str,
         return None, f"{MANIFEST}: missing or unreadable"
     if len(data) > _MANIFEST_MAX:
         return None, f"{MANIFEST}: larger than {_MANIFEST_MAX} bytes"
-    try:
-        manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None, f"{MANIFEST}: missing or unreadable"
-    if not isinstance(manifest, dict):
-        return None, f"{MANIFEST}: not a JSON object"
-    return manifest, None
+    return manifest_format.parse(data)
 
 
 def read_manifest(step_url: str, fs: fsspec.AbstractFileSystem | None = None,

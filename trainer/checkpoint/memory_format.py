@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from orchestrator import readback
 from trainer.checkpoint import signing
 
 FORMAT = "orchestrator-memory/1"
@@ -127,14 +128,10 @@ def encode(manifest: dict[str, Any]) -> bytes:
 def parse_manifest(raw: bytes) -> MemoryManifest:
     """``raw`` (a manifest file's bytes) as a ``MemoryManifest``; ValueError names the
     problem. Never raises anything else, whatever the bytes."""
-    if len(raw) > MANIFEST_MAX_BYTES:
-        raise ValueError(f"manifest of {len(raw)} bytes (at most {MANIFEST_MAX_BYTES})")
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"manifest is not JSON: {str(exc)[:120]}") from None
-    if not isinstance(data, dict):
-        raise ValueError("manifest is not a JSON object")  # noqa: TRY004 - one error type
+        data = readback.loads_object(raw, readback.MEMORY_MANIFEST)
+    except readback.Unreadable as exc:
+        raise ValueError(f"manifest is not one of ours: {exc}") from None
     try:
         return MemoryManifest.model_validate(data)
     except ValidationError as exc:
