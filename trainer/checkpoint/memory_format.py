@@ -85,6 +85,9 @@ class MemoryManifest(BaseModel):
     objects: Blob
     data_bytes: Size  # the end of the last segment: what the slot must hold at least
     digest: Annotated[str, Field(pattern=r"^blake3:[0-9a-f]{64}$")]
+    # The objects blob's own digest: the blob is deserialized, so a restore checks the
+    # private copy it loads from against this (``memory_load``).
+    objects_digest: Annotated[str, Field(pattern=r"^blake3:[0-9a-f]{64}$")] | None = None
     signature: dict[str, str] | None = None
 
     @model_validator(mode="after")
@@ -117,8 +120,14 @@ def parse_slot_name(name: str) -> tuple[str, int, str, str] | None:
     return (m.group(1), int(m.group(2)), m.group(3), m.group(4)) if m else None
 
 
-def sign(manifest: dict[str, Any], key: bytes | None) -> dict[str, Any]:
-    return signing.sign(manifest, key) if key is not None else dict(manifest)
+def sign(manifest: dict[str, Any], trust: signing.Trust | bytes | None) -> dict[str, Any]:
+    """``manifest`` signed with a key, or by the trust's key or signer (the node agent,
+    which signs a memory copy only for the rank it names); unsigned with neither."""
+    if isinstance(trust, bytes):
+        return signing.sign(manifest, trust)
+    if trust is not None and trust.can_sign:
+        return trust.sign(manifest, "memory")
+    return dict(manifest)
 
 
 def encode(manifest: dict[str, Any]) -> bytes:
@@ -147,7 +156,7 @@ def check(m: MemoryManifest, *, trust: signing.Trust | None, job: str,
     its digest verifies): the signature, then the job, rank, world layout and size."""
     raw = m.model_dump(mode="json", exclude_none=True)
     if trust is not None:
-        outcome, message = signing.check(raw, trust.key)
+        outcome, message = trust.check(raw)
         if outcome != signing.SIGNED and not (outcome == signing.UNSIGNED
                                               and trust.trust_unsigned):
             return message
