@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
+from orchestrator.agent.keyservice import KeyService, make_undumpable
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
@@ -62,7 +63,8 @@ class Agent:
         self.client = SupervisorClient(head_url, token, node_id=node_id)
         self.log = get_logger("orchestrator.agent").bind(node=node_id)
         self.hub = LocalHub(on_event=self._on_worker_event, on_closed=self._on_channel_closed)
-        self.sock = LocalSocketServer(self.hub)
+        self.keys = KeyService(self._running_ranks)
+        self.sock = LocalSocketServer(self.hub, keys=self.keys.answer)
         self.ranks: RankSet | None = None
         self.warm = WarmPool()
         self._warm_task: asyncio.Task | None = None
@@ -88,6 +90,10 @@ class Agent:
     async def run(self) -> int:
         """Run until told to exit (0) or until a root task fails (1: its error is logged with
         its traceback and printed on stderr)."""
+        # The checkpoint key is in this process's memory: closed to the ranks (same user).
+        if not make_undumpable():
+            self.log.warning("could not make the agent undumpable: processes of its user "
+                             "may read its memory")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._exit.set)
@@ -123,6 +129,14 @@ class Agent:
             print(f"agent {self.node_id}: {failure}", file=sys.stderr, flush=True)
             return 1
         return 0
+
+    def _running_ranks(self) -> tuple[dict[int, int], dict[str, str]] | None:
+        """The key service's view: this generation's live ranks' pids, and its environment
+        (where the supervisor names the key)."""
+        if self.ranks is None or not self.ranks.alive:
+            return None
+        pids = {r.rank: r.pid for r in self.ranks.ranks if r.alive and r.pid is not None}
+        return pids, self.ranks.assignment.env
 
     def _contact(self) -> None:
         self._last_contact = time.monotonic()

@@ -260,7 +260,7 @@ class Checkpointer:
             save_s = time.perf_counter() - p.started
             trust = self.store.trust
             manifest = layout.build_manifest(
-                p.url, expected, fs=primary.fs, key=trust.key if trust is not None else None,
+                p.url, expected, fs=primary.fs, trust=trust,
                 step=p.step, tokens=p.tokens, state_format=STATE_FORMAT,
                 world_size=self.world_size, wall_time_s=round(save_s, 4),
                 blocking_s=round(p.blocking_s, 4), state=self.meta.get("state_layout", {}),

@@ -189,9 +189,10 @@ class StepReader:
 
 def build_manifest(step_url: str, expected: Iterable[str] = (), *,
                    fs: fsspec.AbstractFileSystem | None = None, key: bytes | None = None,
-                   algorithm: str = CHECKSUM, **meta: Any) -> dict[str, Any]:
+                   algorithm: str = CHECKSUM, trust: signing.Trust | None = None,
+                   **meta: Any) -> dict[str, Any]:
     """The manifest of a finished step directory: every file's size and digest, plus meta,
-    signed with ``key`` (None: unsigned, for tests and benchmarks).
+    signed by ``trust`` (with its key or its signer) or with ``key`` (neither: unsigned).
 
     ``expected`` names files that must be there (DCP's metadata lists every rank's files): a
     rank whose files this process cannot see (a local tier that is not shared by all ranks)
@@ -221,6 +222,8 @@ def build_manifest(step_url: str, expected: Iterable[str] = (), *,
         files = dict(_map(describe, names))
     manifest = {"format": FORMAT if algorithm in CRYPTOGRAPHIC else FORMAT_1,
                 "checksum": algorithm, **meta, "files": files, "created": time.time()}
+    if trust is not None and trust.can_sign:
+        return trust.sign(manifest)  # the key, or the node agent that holds it
     return signing.sign(manifest, key) if key is not None else manifest
 
 
@@ -310,7 +313,7 @@ def authenticate(manifest: dict[str, Any], trust: signing.Trust | None,
     checked). A signed manifest must vouch for cryptographic digests."""
     if trust is None:
         return signing.UNCHECKED, None
-    outcome, message = signing.check(manifest, trust.key)
+    outcome, message = trust.check(manifest)
     if outcome == signing.SIGNED:
         weak = sorted(rel for rel, meta in (manifest.get("files") or {}).items()
                       if isinstance(meta, dict) and not any(a in meta for a in CRYPTOGRAPHIC))

@@ -365,12 +365,30 @@ def trust_refusals(refused: list[Refusal], trust: signing.Trust | None) -> list[
 
 
 def default_trust(cfg: Any, root: str) -> Callable[[], signing.Trust]:
-    """The job's trust, loaded when first needed: the key from the environment, else the
-    one beside the primary tier's root (created by the first writer, ``signing``)."""
+    """The job's trust, loaded when first needed. A rank its node agent runs holds no key:
+    the agent signs and checks for it (``orchestrator.worker.keyclient``). Any other
+    process (``python -m trainer`` alone, a tool) uses the key from the environment, else
+    the one beside the primary tier's root (created by the first writer, ``signing``)."""
     def load() -> signing.Trust:
+        trust_unsigned = bool(getattr(cfg, "trust_unsigned", False))
+        signer = agent_signer(os.environ)
+        if signer is not None:
+            return signing.Trust(None, trust_unsigned, "the node agent", signer=signer)
         return signing.trust_from(cfg.local_url or root, create=True,
-                                  trust_unsigned=bool(getattr(cfg, "trust_unsigned", False)))
+                                  trust_unsigned=trust_unsigned)
     return load
+
+
+def agent_signer(env: Any) -> signing.Signer | None:
+    """The node agent's key service for this rank, when a node agent runs it."""
+    from orchestrator import envcontract as ec
+
+    agent = ec.AgentEnv.from_env(env)
+    if not agent.managed or agent.agent_socket is None:
+        return None
+    from orchestrator.worker.keyclient import AgentSigner
+
+    return AgentSigner(agent.agent_socket, ec.get_int(env, "RANK", 0, minimum=0) or 0)
 
 
 def open_store(cfg: Any, job: str, root: str,
