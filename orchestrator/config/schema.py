@@ -19,7 +19,9 @@ from trainer.config import CheckpointConfig, FieldError, TrainerConfig, check_se
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              # NaN or infinity in a bound or a timeout disables it
+                              allow_inf_nan=False)
 
 
 _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
