@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_settings(args.config or ctx.config_path, job=ctx.job if ctx.managed else None,
                              checkpoint_root=ctx.checkpoint_root)
+    # What this rank writes (its checkpoint files) may be read as checkpoint.mode says.
+    os.umask(settings.checkpoint.umask)
     ahead = digest_ahead(settings, ctx)  # overlaps the process groups' set-up
     dctx = init_distributed(settings.trainer, marks=startup)
     startup["dist_ready"] = time.time()

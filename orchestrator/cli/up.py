@@ -18,7 +18,7 @@ from orchestrator.cli.liveness import api_ssl_context, api_urls, healthz, superv
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
-from orchestrator.rundir import RunDir
+from orchestrator.rundir import RunDir, make_private
 from orchestrator.state import JobState
 from orchestrator.textsafe import shown
 
@@ -37,9 +37,11 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
            resume: Path | None, chaos_kill_at: list[int],
            log_format: LogFormat = LogFormat.AUTO,
            verbosity: Verbosity = Verbosity.NORMAL) -> int:
+    make_private()  # the run directory, and what the supervisor and its agents write
     try:
         if resume is not None:
             run = RunDir.open(resume)
+            run.narrow()
             cfg = validate_data(read_yaml(run.config), str(run.config))
         else:
             cfg = _load(config, overrides, chaos_kill_at)
@@ -91,9 +93,11 @@ def _new_run_dir(cfg: Config, run_dir: Path | None) -> RunDir:
     journal = run_dir / "events.jsonl"
     if journal.exists() and journal.stat().st_size > 0:
         raise FileExistsError(f"{run_dir} already holds a job; use --resume {run_dir}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     _point_latest(Path(cfg.job.run_root).expanduser().resolve(), run_dir)
-    return RunDir(run_dir)
+    run = RunDir(run_dir)
+    run.narrow()
+    return run
 
 
 def _point_latest(run_root: Path, run_dir: Path) -> None:
