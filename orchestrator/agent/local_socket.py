@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from orchestrator import readback
 from orchestrator.logs import get_logger
 from orchestrator.protocol import MAX_STEP_INTERVAL_S, Generation, Phase, Pid, Rank, Step
 from orchestrator.worker.keyclient import MAX_LINE, KeyReply, key_line
@@ -40,6 +41,8 @@ from orchestrator.worker_events import Timestamp
 # Records held for the supervisor while it is unreachable; beyond this the oldest are
 # dropped (they are in the worker's own logs; the stream resumes when it is back).
 _MAX_PENDING_RECORDS = 50_000
+# A rank's line: a beat (its step records carry a NaN loss as NaN) or a key request.
+_LINE = readback.Bounds(max_bytes=MAX_LINE, max_depth=16, allow_nan=True)
 # Orders held for a rank that has not connected yet (a profile order is one line).
 _MAX_PENDING_ORDERS = 16
 # A rank's summarized step time or data wait above this is not a measurement (a week).
@@ -218,8 +221,8 @@ class LocalSocketServer:
                 if not line:
                     break
                 try:
-                    msg = json.loads(line)
-                except json.JSONDecodeError:
+                    msg = readback.loads(line, _LINE)
+                except readback.Unreadable:
                     continue
                 if isinstance(msg, dict) and msg.get("t") == "key":
                     pid = peer_pid(writer.get_extra_info("socket"))

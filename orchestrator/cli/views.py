@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator import readback
 from orchestrator.cli.liveness import Liveness, resume_command
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.rundir import RunDir
@@ -113,7 +114,7 @@ def _api_status(run: RunDir, url: str) -> dict | None:
 
         context = api_ssl_context(run) if url.startswith("https") else None
         with urllib.request.urlopen(req, timeout=5, context=context) as resp:
-            data = json.loads(resp.read())
+            data = readback.loads(resp.read(readback.JOURNAL.max_bytes + 1), readback.JOURNAL)
     except (urllib.error.URLError, OSError, ValueError):
         return None
     needed = ("job", "state", "last_step", "total_steps", "books", "nodes", "stability")
