@@ -50,7 +50,7 @@ def test_a_flood_of_records_is_bounded(live: Live) -> None:
 
 
 def test_the_record_that_crashed_the_supervisor(live: Live) -> None:
-    last = max(r["step"] for r in live.steps())
+    last = max((r["step"] for r in live.steps()), default=0)
     record = {"step": last + 1, "loss": math.nan, "batch": 9007199254740992}
     for port in (False, True):
         code, body = live.beat(live.other, [record], beat_port=port)
