@@ -249,6 +249,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                 manifest = checkpointer.load(state, choice)
         else:
             manifest = checkpointer.load(state, choice)
+        choice = checkpointer.restored or choice  # a copy that did not load was passed over
         load_s += time.perf_counter() - t0
     mark("loaded_state")
     if memory is not None:
