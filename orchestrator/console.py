@@ -10,12 +10,13 @@ works the same for a supervisor in this process, a daemon, or a finished run.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from orchestrator import readback
 
 # Tokens/s and the ETA are measured over this many recent step records (about 10-30 s of
 # the CPU demo): long enough to smooth a checkpoint stall, short enough to follow a restart.
@@ -34,8 +35,9 @@ class TailReader:
     Lines that are not JSON objects are counted in ``skipped`` and never returned.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, bounds: readback.Bounds = readback.JOURNAL) -> None:
         self.path = path
+        self.bounds = bounds
         self.offset = 0
         self.skipped = 0
         self._partial = b""
@@ -60,7 +62,7 @@ class TailReader:
             self.skipped += 1
         out = []
         for raw in lines:
-            obj = parse_line(raw)
+            obj = parse_line(raw, self.bounds)
             if obj is None:
                 if raw.strip():
                     self.skipped += 1
@@ -69,19 +71,15 @@ class TailReader:
         return out
 
 
-def parse_line(raw: bytes) -> dict[str, Any] | None:
-    """One JSON object from a line, or None (blank, torn, non-standard numbers, not a dict)."""
+def parse_line(raw: bytes, bounds: readback.Bounds = readback.JOURNAL,
+               ) -> dict[str, Any] | None:
+    """One JSON object from a line, or None (blank, torn, past the bounds, not a dict)."""
     if not raw.strip() or len(raw) > _MAX_LINE:
         return None
     try:
-        obj = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
+        return readback.loads_object(raw, bounds)
+    except readback.Unreadable:
         return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
 
 
 def _num(value: Any) -> float | None:
@@ -134,7 +132,7 @@ class JobFollower:
 
     def __post_init__(self) -> None:
         self._journal = TailReader(self.root / "events.jsonl")
-        self._steps = TailReader(self.root / "steps.jsonl")
+        self._steps = TailReader(self.root / "steps.jsonl", readback.STEPS)
 
     @property
     def skipped_lines(self) -> int:

@@ -32,8 +32,10 @@ ORCH_HEALTH_OUT                agent           where the network check writes it
 ORCH_WARM_HANDOFF_TS           warm spare      wall time a spare was handed its rank
 ORCH_REPLACEMENT               agent           '1': the rank replaces a failed one in place
 ORCH_HOOK_PID                  preload hook    pid of the rank the hook serves (children skip)
-ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled)
+ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled;
+                                               agents only: ranks never see it)
 ORCH_CHECKPOINT_KEY_FILE       supervisor      path of the checkpoint signing key file
+                                               (agents only: ranks never see it)
 ORCH_NODE_COUNT                deploy          pods of the agents' Indexed Job (nodes + spares)
 =============================  ==============  ==================================================
 """
@@ -273,9 +275,14 @@ def memory_env(path: str) -> dict[str, str]:
     return {MEMORY_DIR: path}
 
 
+# What no process below the agent may see: the control-API token, and the checkpoint
+# signing key and where it lies (the agent signs for its ranks, ``agent.keyservice``).
+SECRETS = frozenset({TOKEN, CHECKPOINT_KEY, CHECKPOINT_KEY_FILE})
+
+
 def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` minus the control-API token: what any process below the agent may see."""
-    return {k: v for k, v in env.items() if k != TOKEN}
+    """``env`` minus ``SECRETS``: what any process below the agent may see."""
+    return {k: v for k, v in env.items() if k not in SECRETS}
 
 
 def token_env(token: str) -> dict[str, str]:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
+from orchestrator.agent.keyservice import KeyService, make_undumpable
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
@@ -42,9 +43,13 @@ from orchestrator.protocol import (
     WorkerEvent,
     keep_valid_records,
 )
+from orchestrator.steprecord import MAX_RECORDS_PER_BEAT
 
 # Events held while the supervisor is unreachable; beyond this the oldest are dropped.
 _MAX_QUEUED_EVENTS = 10_000
+# Answers that refuse a beat for what it says (not for a supervisor that is not ready):
+# its records are not sent again.
+_REFUSED = (400, 403, 409, 413, 422)
 
 
 class Agent:
@@ -58,7 +63,8 @@ class Agent:
         self.client = SupervisorClient(head_url, token, node_id=node_id)
         self.log = get_logger("orchestrator.agent").bind(node=node_id)
         self.hub = LocalHub(on_event=self._on_worker_event, on_closed=self._on_channel_closed)
-        self.sock = LocalSocketServer(self.hub)
+        self.keys = KeyService(self._running_ranks)
+        self.sock = LocalSocketServer(self.hub, keys=self.keys.answer)
         self.ranks: RankSet | None = None
         self.warm = WarmPool()
         self._warm_task: asyncio.Task | None = None
@@ -84,6 +90,10 @@ class Agent:
     async def run(self) -> int:
         """Run until told to exit (0) or until a root task fails (1: its error is logged with
         its traceback and printed on stderr)."""
+        # The checkpoint key is in this process's memory: closed to the ranks (same user).
+        if not make_undumpable():
+            self.log.warning("could not make the agent undumpable: processes of its user "
+                             "may read its memory")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._exit.set)
@@ -119,6 +129,14 @@ class Agent:
             print(f"agent {self.node_id}: {failure}", file=sys.stderr, flush=True)
             return 1
         return 0
+
+    def _running_ranks(self) -> tuple[dict[int, int], dict[str, str]] | None:
+        """The key service's view: this generation's live ranks' pids, and its environment
+        (where the supervisor names the key)."""
+        if self.ranks is None or not self.ranks.alive:
+            return None
+        pids = {r.rank: r.pid for r in self.ranks.ranks if r.alive and r.pid is not None}
+        return pids, self.ranks.assignment.env
 
     def _contact(self) -> None:
         self._last_contact = time.monotonic()
@@ -203,12 +221,10 @@ class Agent:
             await asyncio.sleep(self.heartbeat_s)
             if not self._registered.is_set():
                 continue
-            generation, records = self.hub.take_records()
-            if records and self.ranks is not None and generation != self.ranks.generation:
-                # A rank that rejoined in place may still relay its abandoned steps: they
-                # are not the new generation's (the supervisor takes a beat's records as
-                # its generation's).
-                records = []
+            running = self.ranks.generation if self.ranks else None
+            generation, records = self.hub.take_records(MAX_RECORDS_PER_BEAT)
+            if generation != running:
+                records = []  # a generation that no longer runs here: the supervisor refuses them
             # One bad record (a user's metric that is a list, a 10 kB string) must not make
             # the beat unsendable, nor end this loop: it is dropped, and said once a beat.
             records, dropped = keep_valid_records(records)
@@ -216,8 +232,7 @@ class Agent:
                 self.log.warning("step records dropped: not valid for the protocol",
                                  dropped=dropped)
             try:
-                hb = Heartbeat(node_id=self.node_id,
-                               generation=self.ranks.generation if self.ranks else None,
+                hb = Heartbeat(node_id=self.node_id, generation=running,
                                free_port=self._port(), ranks=self._rank_infos(),
                                records=records)
             except ValidationError as exc:
@@ -228,8 +243,10 @@ class Agent:
                 await self._send_beat(hb.model_dump(mode="json"))
                 self._contact()
             except (Unreachable, SupervisorError) as exc:
-                # Keep the records for the next beat (the supervisor may be restarting).
-                if records and generation == self.hub.records_generation:
+                refused = isinstance(exc, SupervisorError) and exc.status in _REFUSED
+                # Keep the records for the next beat (the supervisor may be restarting),
+                # unless it refused them: sent again, they would be refused again.
+                if records and not refused and generation == self.hub.records_generation:
                     self.hub.records[:0] = records
                 if isinstance(exc, SupervisorError):
                     self._forget_registration(exc)

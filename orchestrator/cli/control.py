@@ -151,6 +151,9 @@ def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,
               token_file: Path | None, orphan_timeout: float) -> int:
     from orchestrator.agent.agent import Agent
     from orchestrator.logs import configure_logging
+    from orchestrator.rundir import make_private
+
+    make_private()  # its logs, and what its ranks write (they inherit it)
 
     token = read_token(os.environ) or ""
     if token_file is not None:

@@ -19,8 +19,9 @@ from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.cli.liveness import pid_alive
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
-from orchestrator.rundir import RunDir
+from orchestrator.rundir import RunDir, make_private
 from orchestrator.state import JobState
+from orchestrator.textsafe import shown
 
 console = Console(stderr=True)
 # `up --detach` waits this long for the daemon to listen (data preparation comes first and
@@ -40,9 +41,11 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
            resume: Path | None, chaos_kill_at: list[int],
            log_format: LogFormat = LogFormat.AUTO,
            verbosity: Verbosity = Verbosity.NORMAL) -> int:
+    make_private()  # the run directory, and what the supervisor and its agents write
     try:
         if resume is not None:
             run = RunDir.open(resume)
+            run.narrow()
             cfg = validate_data(read_yaml(run.config), str(run.config))
         else:
             cfg = _load(config, overrides, chaos_kill_at)
@@ -121,9 +124,11 @@ def _new_run_dir(cfg: Config, run_dir: Path | None) -> RunDir:
     journal = run_dir / "events.jsonl"
     if journal.exists() and journal.stat().st_size > 0:
         raise FileExistsError(_taken_run_dir(RunDir(run_dir)))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     _point_latest(Path(cfg.job.run_root).expanduser().resolve(), run_dir)
-    return RunDir(run_dir)
+    run = RunDir(run_dir)
+    run.narrow()
+    return run
 
 
 def _taken_run_dir(run: RunDir) -> str:
@@ -185,7 +190,7 @@ def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_a
         console.print(f"[red]error[/red] the supervisor exited with code {code} before it "
                       f"listened; its output ({out_path}):")
         for line in tail:
-            console.print(f"  {line}", markup=False, highlight=False)
+            console.print(f"  {shown(line)}", markup=False, highlight=False)
         return code or 1
     # The daemon writes it too, once it listens; written here as well so that it is there
     # when this command returns.

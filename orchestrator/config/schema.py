@@ -20,7 +20,9 @@ from trainer.config import CheckpointConfig, FieldError, TrainerConfig, check_se
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              # NaN or infinity in a bound or a timeout disables it
+                              allow_inf_nan=False)
 
 
 _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -354,7 +356,7 @@ class ApiConfig(Section):
 
     max_body_mb: float = Field(
         32, gt=0, le=1024,
-        description="Largest request body (a heartbeat carrying 100k step records is ~10 MB).",
+        description="Largest request body (a heartbeat of 1,000 step records is ~200 kB).",
     )
     max_json_depth: int = Field(
         32, ge=4, le=200,
@@ -374,6 +376,12 @@ class ApiConfig(Section):
         3600, gt=0, le=7 * 86400,
         description="Largest step interval a rank may report: the hang timeout calibrates "
         "from it, so a larger one is refused rather than believed.",
+    )
+    max_step_records_per_s: float = Field(
+        2000, gt=0, le=1e6,
+        description="Rank 0's step records the supervisor takes per second (with a burst of "
+        "five seconds' worth): more are dropped and journaled as message_rejected. Each "
+        "record is a line of steps.jsonl; the trainer sends one per step.",
     )
     heartbeat_process: bool = Field(
         False,

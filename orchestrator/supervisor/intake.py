@@ -42,6 +42,7 @@ from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 from orchestrator.supervisor.outcome import Outcome, exit_reason
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.recordgate import RecordGate
 from orchestrator.supervisor.resumes import RESUME_EVENT, ResumeCheck
 from orchestrator.supervisor.stability import StabilityHook
 from orchestrator.supervisor.stragglers import StragglerWatch
@@ -74,6 +75,8 @@ class Intake:
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         # Beats stamped and hangs judged on the service clock (``deadlines.LoopLag``).
         self.progress = ProgressTracker(ctx.rundir.steps, nodes.judge_clock, ctx.record)
+        self.record_gate = RecordGate(ctx.cfg.api.max_step_records_per_s,
+                                      nodes.judge_clock.monotonic)
         self.stragglers = StragglerWatch(ctx)
         self.resumes = ResumeCheck()
         self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
@@ -132,13 +135,17 @@ class Intake:
         self.progress.on_ranks(hb.generation, hb.ranks)
         if hb.generation is not None and hb.generation == self.generation:
             self.stragglers.on_ranks(hb.node_id, hb.ranks)
-        if hb.records:
-            accepted = self.progress.on_records(hb.generation, hb.records)
-            if accepted:  # rank 0's records of the running generation only
-                for rec in hb.records:
+        gen = self.progress.current
+        if hb.records and gen is not None and hb.generation == gen.generation:
+            # Admission let only rank 0's node send them, for the current generation.
+            taken = self.record_gate.take(gen.generation, hb.records)
+            if taken.over_rate:
+                self.reject(hb.node_id, "heartbeat", f"{taken.over_rate} step records past "
+                            f"api.max_step_records_per_s ({self.record_gate.per_s:g}) dropped")
+            if taken.records and self.progress.on_records(gen.generation, taken.records):
+                for rec in taken.records:
                     self.ctx.metrics.on_record(rec)
-                if hb.generation is not None:
-                    self.stability.on_records(hb.generation, hb.records)
+                self.stability.on_records(gen.generation, taken.records)
         return {"assignment_version": node.assignment.version}
 
     def on_events(self, batch: EventBatch) -> None:

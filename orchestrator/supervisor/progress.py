@@ -13,16 +13,14 @@ of them, and each rank's latest largest-recent-step-interval in a heap, so the l
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from orchestrator.clock import Clock
 from orchestrator.events import Envelope, Event, FirstStep, Progress
 from orchestrator.protocol import RankInfo
+from orchestrator.steprecord import StepRecord, encode_stored
 from orchestrator.supervisor.deadlines import OldestFirst
 
 
@@ -94,7 +92,7 @@ class ProgressTracker:
         self._journal_every_s = journal_every_s
         self._last_journaled = float("-inf")
         self.current: GenerationProgress | None = None
-        self.last_record: dict[str, Any] | None = None
+        self.last_record: StepRecord | None = None
         self.tokens = 0
         # The newest step every rank holds in the memory tier, as rank 0's records say.
         self.memory_step: int | None = None
@@ -139,23 +137,15 @@ class ProgressTracker:
             else:
                 gen.unstepped_hooks.discard(info.rank)
 
-    def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> bool:
-        """Rank 0's step records: append to steps.jsonl, note first/last step, journal.
-
-        Returns whether they were taken (False for a generation other than the current one).
-        """
+    def on_records(self, generation: int | None, records: list[StepRecord]) -> bool:
+        """Rank 0's step records (typed, admitted, each step once): append to steps.jsonl,
+        note first/last step, journal. Returns whether they were taken (False for a
+        generation other than the current one)."""
         gen = self.current
         if not records or gen is None or generation != gen.generation:
             return False
-        # A record without a whole, non-negative step is not a step: it is not kept.
-        records = [r for r in records if isinstance(r.get("step"), int)
-                   and not isinstance(r.get("step"), bool) and 0 <= r["step"] <= 2**53]
-        if not records:
-            return False
         with open(self._steps_path, "a") as f:
-            for rec in records:
-                line = {**rec, "generation": generation}
-                f.write(json.dumps(line, default=str) + "\n")
+            f.write("".join(encode_stored(rec, generation) for rec in records))
         last = records[-1]
         self.last_record = last
         for rec in records:
@@ -164,14 +154,13 @@ class ProgressTracker:
                 self.memory_step = mem if self.memory_step is None else max(self.memory_step,
                                                                               mem)
         tokens = last.get("tokens")
-        if isinstance(tokens, int | float) and not isinstance(tokens, bool) \
-                and math.isfinite(tokens) and tokens >= 0:
-            self.tokens = int(tokens)
+        if tokens is not None:
+            self.tokens = tokens
         if gen.first_step is None:
             first = records[0]
             gen.first_step, gen.first_step_ts = first["step"], first.get("ts")
             self._record_event(FirstStep(generation=generation, step=first["step"],
-                                         step_ts=_finite(first.get("ts"))))
+                                         step_ts=first.get("ts")))
         gen.last_step, gen.last_step_ts = last["step"], last.get("ts")
         now = self._clock.monotonic()
         if now - self._last_journaled >= self._journal_every_s:
@@ -190,7 +179,3 @@ class ProgressTracker:
         gen = self.current
         return {} if gen is None else {r: p.step for r, p in gen.ranks.items()}
 
-
-def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
-        and math.isfinite(value) else None

@@ -261,6 +261,25 @@ class CheckpointStore:
         return Choice(step, self.primary.name, dst, manifest, fetched_from=src), [], \
             result.signature, manifest
 
+    def reject(self, choice: Choice, everywhere: bool) -> list[str]:
+        """Uncommit a copy that verified but did not load: its manifest becomes
+        ``REJECTED`` (kept for the operator, never read as a commit), so no restart picks
+        it again. The copy read, and with ``everywhere`` every tier's copy of the same
+        checkpoint (the same files and digests: the content itself does not load). Returns
+        the step URLs uncommitted."""
+        done = []
+        for tier in self.tiers:
+            url = tier.step_url(choice.step)
+            if url != choice.url and url != choice.fetched_from:
+                if not everywhere or not same_checkpoint(
+                        layout.read_manifest(url, tier.fs), choice.manifest):
+                    continue
+            elif url == choice.fetched_from and not everywhere:
+                continue
+            if uncommit(url, tier.fs):
+                done.append(url)
+        return done
+
     def _copy_in(self, reader: layout.StepReader, rel: str, dst_path: str) -> None:
         """One remote file into the new local step directory (``rel`` already checked)."""
         if not layout.is_local(self.primary.fs):
@@ -270,9 +289,29 @@ class CheckpointStore:
             return
         target = os.path.join(dst_path, *rel.split("/"))
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
         with reader.open(rel) as src, os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(src, out, _COPY_CHUNK)
+
+
+REJECTED = "manifest.rejected.json"
+
+
+def uncommit(step_url: str, fs: fsspec.AbstractFileSystem | None = None) -> bool:
+    """Rename a step's manifest to ``REJECTED`` (the step is no longer committed); False
+    when it had none. A local step directory that is a link is not followed."""
+    fs, path = layout.filesystem(step_url, fs)
+    src, dst = posixpath.join(path, layout.MANIFEST), posixpath.join(path, REJECTED)
+    if layout.is_local(fs):
+        if layout.step_dir_problem(path) is not None or not os.path.lexists(src):
+            return False
+        os.replace(src, dst)
+        return True
+    if not fs.exists(src):
+        return False
+    fs.copy(src, dst)
+    fs.rm(src)
+    return True
 
 
 @dataclass(frozen=True)
@@ -326,12 +365,30 @@ def trust_refusals(refused: list[Refusal], trust: signing.Trust | None) -> list[
 
 
 def default_trust(cfg: Any, root: str) -> Callable[[], signing.Trust]:
-    """The job's trust, loaded when first needed: the key from the environment, else the
-    one beside the primary tier's root (created by the first writer, ``signing``)."""
+    """The job's trust, loaded when first needed. A rank its node agent runs holds no key:
+    the agent signs and checks for it (``orchestrator.worker.keyclient``). Any other
+    process (``python -m trainer`` alone, a tool) uses the key from the environment, else
+    the one beside the primary tier's root (created by the first writer, ``signing``)."""
     def load() -> signing.Trust:
+        trust_unsigned = bool(getattr(cfg, "trust_unsigned", False))
+        signer = agent_signer(os.environ)
+        if signer is not None:
+            return signing.Trust(None, trust_unsigned, "the node agent", signer=signer)
         return signing.trust_from(cfg.local_url or root, create=True,
-                                  trust_unsigned=bool(getattr(cfg, "trust_unsigned", False)))
+                                  trust_unsigned=trust_unsigned)
     return load
+
+
+def agent_signer(env: Any) -> signing.Signer | None:
+    """The node agent's key service for this rank, when a node agent runs it."""
+    from orchestrator import envcontract as ec
+
+    agent = ec.AgentEnv.from_env(env)
+    if not agent.managed or agent.agent_socket is None:
+        return None
+    from orchestrator.worker.keyclient import AgentSigner
+
+    return AgentSigner(agent.agent_socket, ec.get_int(env, "RANK", 0, minimum=0) or 0)
 
 
 def open_store(cfg: Any, job: str, root: str,

@@ -100,7 +100,7 @@ def test_beats_and_events_reach_the_agent_socket() -> None:
     # close() sent the last beat: past its last step, the rank is finishing, not training.
     assert beat.step == 2 and beat.generation == 2
     assert beat.phase == "finishing" and beat.finished
-    generation, records = hub.take_records()
+    generation, records = hub.take_records(1000)
     assert generation == 2 and [r["step"] for r in records] == [1, 2]
     assert records[0]["loss"] == 2.5
     assert events and events[0]["name"] == "checkpoint_committed"
