@@ -28,8 +28,10 @@ FAST = {
         "parallelism": {"strategy": "fsdp2", "backend": "gloo"},
     },
     "checkpoint": {"interval_steps": 10, "keep_last": 3},
+    # The calibrated floor stays off (as in configs/local.yaml): the shared 2-core CI host
+    # stalls a rank for a second now and then, and most jobs here test something else.
     "timeouts": {"heartbeat_interval_s": 0.25, "node_lost_s": 5, "stop_grace_s": 3,
-                 "register_s": 60, "launch_s": 60},
+                 "register_s": 60, "launch_s": 60, "training_floor_calibrated_s": None},
     "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
     "metrics": {"port": 0, "host": "127.0.0.1"},
     # As configs/local.yaml: the tiny model's natural grad-norm swings are not spikes.

@@ -223,12 +223,14 @@ class TimeoutsConfig(Section):
         30, gt=0, description="Calibrated training timeout never goes below this."
     )
     training_multiplier: float = Field(
-        5.0, gt=1, description="Calibrated training timeout = multiplier x largest recent step."
+        3.0, gt=1, description="Calibrated training timeout = multiplier x the step pace (the "
+        "second-largest of a rank's last 200 step intervals past its warm-up: a slow step "
+        "that does not recur never sets it)."
     )
     training_floor_calibrated_s: float | None = Field(
-        None, gt=0, description="Once calibration_steps step intervals are measured, the "
-        "training timeout's floor comes down from training_floor_s to this (about a second "
-        "finds a hang of a fast-stepping GPU job within 3 step intervals + 2 s); null: the "
+        1.0, gt=0, description="Once calibration_steps step intervals are measured, the "
+        "training timeout's floor comes down from training_floor_s to this (a second finds "
+        "a hang within 3 step intervals + 2 s, a script without the SDK's too); null: the "
         "floor stays where it is (a noisy shared CPU host)."
     )
     calibration_steps: int = Field(

@@ -7,23 +7,27 @@ the case to catch.
 
 The training timeout calibrates itself::
 
-    timeout = max(floor, training_multiplier * largest recent step interval)
+    timeout = max(floor, training_multiplier * pace)
 
-where the floor starts at ``training_floor_s`` (high: the first steps of a job say little of
-its pace) and, with ``training_floor_calibrated_s`` set, comes down to that value once
+where the pace is what each rank's SDK measures (``orchestrator.pace``: the second-largest of
+its last 200 step intervals past its generation's warm-up, so one slow step that does not
+recur never calibrates it), the largest the ranks reported over the job's last
+``calibration_horizon_steps`` step intervals, the value carried over from earlier
+generations through the journal's ``calibration`` events counting as measured when this
+supervisor started. The floor starts at ``training_floor_s`` (high: the first steps of a job
+say little of its pace) and comes down to ``training_floor_calibrated_s`` once
 ``calibration_steps`` step intervals have been measured (this generation's and earlier
-ones', carried in the journal): a 0.2 s step then has its hang found in about a second, not
-in the fixed floor's 30 (issue 14's target: within 3 x the step interval + 2 s).
+ones'): a 0.2 s step then has its hang found within 3 x the step interval + 2 s, not after
+the fixed floor's 30.
 
-where the largest recent interval is the maximum, over the job's last
-``calibration_horizon_steps`` step intervals, of each rank's largest interval over its last 50
-steps (reported in its beats), the value carried over from earlier generations through the
-journal's ``calibration`` events counting as measured when this supervisor started. Steps a
-rank's SDK was told are disturbed by work beside them (buffers page-locked in the
-background) are not measured, and run in the ``loading`` phase. Until any interval is known (the first steps of a job),
-the ``init`` phase's timeout applies. A checkpoint's blocking part runs in the
-``checkpointing`` phase with its own timeout, and a slow first step runs in ``init`` (the SDK
-switches a rank to ``training`` at its first ``step_done``), so neither trips the training
+A rank within its generation's warm-up (its first ``WARMUP_STEPS`` step intervals, which its
+SDK does not measure) is judged by at least the start-up floor: a restart's compile and
+page-locking are no hang, whatever the tight value carried from before. Steps a rank's SDK was
+told are disturbed by work beside them (buffers page-locked in the background) are not
+measured either, and run in the ``loading`` phase. Until any interval is known (the first
+steps of a job), the ``init`` phase's timeout applies. A checkpoint's blocking part runs in
+the ``checkpointing`` phase with its own timeout, and a slow first step runs in ``init`` (the
+SDK switches a rank to ``training`` at its first ``step_done``), so neither trips the training
 timeout. The fixed ``timeouts.phases.training`` overrides calibration when set.
 """
 
@@ -67,13 +71,11 @@ class Suspect:
 class TrainingTimeout:
     """The calibrated training timeout, carried across generations.
 
-    Its interval is the largest the ranks reported over the last ``calibration_horizon_steps``
-    step intervals of the job, not the largest ever: a slow step (a restart's warm-up, a
-    background allocation the SDK was not told of) raises the timeout for that long, then
-    drops out. Before forgetting was added, one 4 s step after a restart kept a 0.2 s-step
-    job's timeout at 12 s for good, and a SIGSTOPped rank was found in 12.5 s instead of
-    2.7 (issue 14, 2 x H200). The value carried from earlier generations (the journal's
-    last ``calibration``) counts as measured at the start of this supervisor's run.
+    Its interval is the largest pace the ranks reported over the last
+    ``calibration_horizon_steps`` step intervals of the job, not the largest ever: a slower
+    pace (a restart on a slower node) raises the timeout for that long, then drops out. The
+    value carried from earlier generations (the journal's last ``calibration``) counts as
+    measured at the start of this supervisor's run.
     """
 
     def __init__(self, cfg: TimeoutsConfig, carried_max_interval: float | None,
@@ -143,8 +145,14 @@ class TrainingTimeout:
         return False
 
 
-def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTimeout) -> float:
+def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTimeout,
+                  warming: bool = False) -> float:
+    """The timeout of ``phase``; ``warming``: a rank within its generation's first step
+    intervals (``orchestrator.pace.WARMUP_STEPS``), which its SDK does not measure, gets at
+    least the start-up floor, not the tight value an earlier generation calibrated."""
     if phase == "training":
+        if warming and cfg.phases.training is None:
+            return max(cfg.training_floor_s, training.value())
         return training.value()
     return float(getattr(cfg.phases, phase or "init", None) or cfg.phases.init)
 
@@ -206,8 +214,8 @@ def _silent_peers(hung: list[Suspect], gen: GenerationProgress, cfg: TimeoutsCon
         if floor is not None and (rp.step is None or rp.step > floor):
             continue
         peers.append(Suspect(rp.rank, rp.phase or "init", rp.step, now - rp.progress_seen,
-                             now - rp.beat_received, phase_timeout(cfg, rp.phase, training),
-                             silent=True))
+                             now - rp.beat_received,
+                             phase_timeout(cfg, rp.phase, training, rp.warming), silent=True))
     return peers
 
 
@@ -215,7 +223,7 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
            now: float) -> Suspect | None:
     if rp.progress_seen is None:
         return None
-    limit = phase_timeout(cfg, rp.phase, training)
+    limit = phase_timeout(cfg, rp.phase, training, rp.warming)
     if rp.finished:
         # Past its last step and tearing down (process groups, interpreter exit), whatever
         # phase a script of its own last reported: the finishing phase's timeout.

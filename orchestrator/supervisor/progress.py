@@ -22,6 +22,7 @@ from typing import Any
 
 from orchestrator.clock import Clock
 from orchestrator.events import Envelope, Event, FirstStep, Progress
+from orchestrator.pace import WARMUP_STEPS
 from orchestrator.protocol import RankInfo
 from orchestrator.supervisor.deadlines import OldestFirst
 
@@ -30,6 +31,7 @@ from orchestrator.supervisor.deadlines import OldestFirst
 class RankProgress:
     rank: int
     step: int | None = None
+    first_step: int | None = None  # the first step it reported in this generation
     phase: str | None = None
     last_step_ts: float | None = None  # worker wall clock
     beat_received: float | None = None  # our monotonic clock, when a new beat arrived
@@ -38,6 +40,13 @@ class RankProgress:
     step_interval_max: float | None = None
     progress: str | None = None  # "hook": steps are the preload hook's optimizer count
     finished: bool = False  # sent its last beat; tearing down
+
+    @property
+    def warming(self) -> bool:
+        """Within its generation's first ``WARMUP_STEPS`` step intervals: the ones its SDK
+        does not measure (``orchestrator.pace``), judged by the start-up floor."""
+        return self.step is not None and self.first_step is not None \
+            and self.step - self.first_step < WARMUP_STEPS
 
 
 @dataclass
@@ -124,6 +133,8 @@ class ProgressTracker:
             if info.step != rp.step or info.phase != rp.phase:
                 gen.progressed(rp, info.phase, now)
             rp.step = info.step
+            if rp.first_step is None or (info.step is not None and info.step < rp.first_step):
+                rp.first_step = info.step
             rp.last_step_ts = info.last_step_ts
             if info.step_interval_max != rp.step_interval_max:
                 rp.step_interval_max = info.step_interval_max

@@ -31,6 +31,7 @@ from typing import Any
 from orchestrator import chaos as chaos_
 from orchestrator import envcontract as ec
 from orchestrator.chaos import ChaosPlan
+from orchestrator.pace import StepPace
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
@@ -38,8 +39,6 @@ from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating",
           "finishing")
 
-# Step intervals kept to calibrate the hang timeout (largest recent interval).
-_INTERVAL_WINDOW = 50
 # Steps the beat's step-time and data-wait summary averages over (the straggler detector's
 # input: recent enough to follow a change, long enough to smooth one slow step).
 _SUMMARY_STEPS = 20
@@ -106,7 +105,7 @@ class Worker:
         self._step: int | None = None
         self._phase = "init"
         self._last_step_ts: float | None = None
-        self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVAL_WINDOW)
+        self._pace = StepPace()  # calibrates the hang timeout (``orchestrator.pace``)
         # Work beside training that slows its steps until it is done (``disturbed_while``).
         self._disturbances: list[Callable[[], bool]] = []
         self._disturbed_step = False  # the last step was disturbed: the next interval too
@@ -213,8 +212,7 @@ class Worker:
                 # Time in other phases (a blocking checkpoint save) has timeouts of its own
                 # and would inflate the calibrated training timeout: it is not step time.
                 interval = max(0.0, now - self._last_step_ts - self._other_s)
-                if not disturbed and not self._disturbed_step:
-                    self._intervals.append(interval)
+                self._pace.add(interval, measured=not disturbed and not self._disturbed_step)
             self._disturbed_step = disturbed
             self._step, self._last_step_ts = step, now
             self._other_s = 0.0
@@ -316,7 +314,7 @@ class Worker:
             msg = {"t": "beat", "rank": self.ctx.rank, "pid": os.getpid(),
                    "generation": self.ctx.generation, "step": self._step,
                    "phase": self._phase, "last_step_ts": self._last_step_ts,
-                   "interval_max": max(self._intervals) if self._intervals else None,
+                   "interval_max": self._pace.value(),
                    "step_time": _recent_mean(self._step_times),
                    "data_wait": _recent_mean(self._data_waits),
                    "ts": self._clock(), "records": self._records,
