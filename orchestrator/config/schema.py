@@ -47,6 +47,12 @@ class JobConfig(Section):
             "so a restart skips importing torch and the trainer (built-in trainer only)."
         ),
     )
+    framework_hooks: bool = Field(
+        True, description="In a script of your own (job.entrypoint), every Lightning, Hugging "
+        "Face or torchtitan Trainer it makes reports its steps (loss, grad norm, LR, "
+        "tokens), phases and saves through the orchestrator's hook "
+        "(orchestrator.worker.hooks), with no code change; false: the script's trainers are "
+        "left as they are (the optimizer-step count still calibrates the hang timeout).")
     run_root: str = Field("runs", description="Where `up` creates run directories.")
     workdir: str | None = Field(
         None,

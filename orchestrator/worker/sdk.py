@@ -208,6 +208,11 @@ class Worker:
         with self._lock:
             interval = None
             disturbed = self._disturbed()
+            if self._phase not in ("training", "init") and not self._settling \
+                    and self._phase_since is not None:
+                # A phase the step ends (a script's evaluation, its data loader's new epoch,
+                # marked by the preload hook) is not step time either.
+                self._other_s += now - self._phase_since
             if self._last_step_ts is not None:
                 # Time in other phases (a blocking checkpoint save) has timeouts of its own
                 # and would inflate the calibrated training timeout: it is not step time.
