@@ -432,6 +432,11 @@ class ChaosConfig(Section):
         default_factory=dict,
         description="rank -> seconds added to each of its steps (a straggler).",
     )
+    slow_steps: dict[int, float] = Field(
+        default_factory=dict,
+        description="n -> seconds added to each generation's n-th step on every rank (one "
+        "slow step that does not recur: a recompile, page-locking).",
+    )
 
     @field_validator("slow_ranks")
     @classmethod
@@ -439,6 +444,14 @@ class ChaosConfig(Section):
         for rank, s in v.items():
             if rank < 0 or not math.isfinite(s) or not 0 <= s <= 3600:
                 raise ValueError(f"rank {rank}: {s} s (ranks >= 0, seconds in [0, 3600])")
+        return v
+
+    @field_validator("slow_steps")
+    @classmethod
+    def _slow_steps(cls, v: dict[int, float]) -> dict[int, float]:
+        for n, s in v.items():
+            if n < 1 or not math.isfinite(s) or not 0 <= s <= 3600:
+                raise ValueError(f"step {n}: {s} s (steps >= 1, seconds in [0, 3600])")
         return v
 
 
