@@ -105,10 +105,11 @@ def _framework_hooks_wanted(config_path: str | None) -> bool:
 
     try:
         with open(config_path) as f:
-            job = (json.load(f) or {}).get("job") or {}
-    except (OSError, ValueError, AttributeError):
+            data = json.load(f)
+    except (OSError, ValueError):
         return True  # the trainer's own config check reports a broken file
-    return job.get("framework_hooks", True) is not False
+    job = data.get("job") if isinstance(data, dict) else None
+    return not (isinstance(job, dict) and job.get("framework_hooks") is False)
 
 
 def _register_torch_hooks(worker: Any, collective_timeout_s: float | None) -> None:
