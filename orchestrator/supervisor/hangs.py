@@ -188,10 +188,37 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
         suspect = _check(rp, cfg, training, now)
         if suspect is not None:
             hung.append(suspect)
+    if hung and not all(s.silent for s in hung) and _busy_peer(gen, cfg, training, now):
+        # A rank still beating that waits past the training timeout while a peer is in a
+        # longer phase (rank 0 of a script saving or evaluating alone, the others blocked in
+        # their next collective) waits for that peer: it is not hung. The busy peer is
+        # judged by its own phase's timeout; a rank that stopped beating is named as ever.
+        hung = [s for s in hung if s.silent or s.phase != "training"]
     if hung:
         hung.extend(_silent_peers(hung, gen, cfg, training, now))
     hung.sort(key=lambda s: (not s.silent, s.step if s.step is not None else -1, -s.idle_s))
     return hung
+
+
+# Phases in which a rank keeps its peers waiting for longer than a step, legitimately.
+_BUSY_PHASES = ("loading", "compiling", "checkpointing", "evaluating")
+
+
+def _busy_peer(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
+               now: float) -> bool:
+    """Whether a rank that still beats is in a busy phase within its timeout."""
+    quiet = max(3 * cfg.heartbeat_interval_s, 1.0)
+    for phase in _BUSY_PHASES:
+        ranks = gen.idle.get(phase)
+        if ranks is None:
+            continue
+        for rank, since in ranks.items():
+            rp = gen.ranks.get(rank)
+            if rp is not None and rp.beat_received is not None \
+                    and now - rp.beat_received <= quiet \
+                    and now - since <= phase_timeout(cfg, phase, training):
+                return True
+    return False
 
 
 def _silent_peers(hung: list[Suspect], gen: GenerationProgress, cfg: TimeoutsConfig,

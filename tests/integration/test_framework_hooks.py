@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import env, finish, journal, status, write_config
+from jobs import env, finish, journal, kill_run, kill_strays, status, wait_for, write_config
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FRAMEWORKS = {"lightning": SCRIPTS / "lightning_tiny.py", "hf": SCRIPTS / "hf_tiny.py"}
@@ -145,3 +145,44 @@ def test_a_killed_rank_resumes_from_our_checkpoint_and_a_stopped_one_is_found_in
     assert ours and theirs
     if EXACT[framework]:
         assert ours == theirs
+
+
+def _progress(run_dir: Path) -> int:
+    return max((r["step"] for r in _steps(run_dir)), default=0)
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_down_commits_a_checkpoint_through_the_framework_and_resume_continues_it(
+        tmp_path: Path, dataset_dir: Path, framework: str) -> None:
+    cfg = _config(tmp_path, dataset_dir, framework, {"STEPS": "60", "STEP_S": "0.1"},
+                  checkpoint={"interval_steps": 10, "keep_last": 3})
+    run_dir = tmp_path / "run"
+    proc = _start(cfg, run_dir)
+    try:
+        wait_for(lambda: _progress(run_dir) >= 14, timeout=240, what="step 14")
+        down = subprocess.run([sys.executable, "-m", "orchestrator", "down", str(run_dir)],
+                              capture_output=True, text=True, env=env(), timeout=200)
+        out, _ = proc.communicate(timeout=200)
+    except BaseException:
+        kill_run(run_dir, proc)
+        raise
+    finally:
+        kill_strays(run_dir)
+    assert down.returncode == 0, (down.stdout[-2000:], down.stderr[-2000:])
+    assert status(run_dir)["state"] == "STOPPED", out[-4000:]
+    events = journal(run_dir)
+    stopped = [e for e in events if e["kind"] == "transition" and e["to"] == "STOPPED"][-1]
+    stop_step = _committed(run_dir)[-1]
+    assert 14 <= stop_step < 60 and stop_step == _progress(run_dir)
+    assert f"final checkpoint at step {stop_step}" in stopped["reason"]
+    assert [e for e in events if e["kind"] == "failure"] == []
+
+    resumed = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--resume",
+                              str(run_dir)], capture_output=True, text=True, env=env(),
+                             timeout=300)
+    kill_strays(run_dir)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert status(run_dir)["state"] == "COMPLETED"
+    assert [e["step"] for e in journal(run_dir) if e["kind"] == "resumed"][-1] == stop_step
+    steps = [r["step"] for r in _steps(run_dir)]
+    assert steps[steps.index(stop_step) + 1] == stop_step + 1 and steps[-1] == 60

@@ -22,7 +22,7 @@ from orchestrator.pace import PACE_WINDOW, WARMUP_STEPS, StepPace
 from orchestrator.protocol import RankInfo
 from orchestrator.supervisor.generation import TICK_S
 from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
-from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.progress import GenerationProgress, ProgressTracker, RankProgress
 from orchestrator.worker.sdk import Worker
 from tests.fakes import FakeClock
 
@@ -257,3 +257,36 @@ def test_never_a_false_alarm_and_a_stop_found_within_the_bound_after_one_slow_st
     assert rank.run(intervals)
     found = rank.stop()
     assert found is not None and found <= _bound(intervals)
+
+
+def test_a_rank_waiting_for_a_peer_that_saves_or_evaluates_alone_is_not_hung() -> None:
+    """A script whose rank 0 saves and evaluates alone: rank 1 waits in its next collective,
+    past the training timeout, while rank 0 is in ``checkpointing``. Rank 1 is not hung;
+    rank 0 is judged by its phase's timeout, and a rank that stops beating is still found."""
+    cfg = TimeoutsConfig(training_floor_s=2.0, training_multiplier=3,
+                         phases={"checkpointing": 20})
+    clock = FakeClock()
+    gen = GenerationProgress(generation=1, first_step=1, last_step=100)
+    for rank in (0, 1):
+        rp = gen.ranks[rank] = RankProgress(rank, progress="hook", step=100, first_step=1,
+                                           beat_received=clock.monotonic())
+        gen.progressed(rp, "training", clock.monotonic())
+    training = TrainingTimeout(cfg, 0.2, carried_intervals=100)
+    gen.progressed(gen.ranks[0], "checkpointing", clock.monotonic())
+    for _ in range(50):  # 10 s: both keep beating, rank 1 makes no progress
+        clock.advance(TICK_S)
+        for rp in gen.ranks.values():
+            rp.beat_received = clock.monotonic()
+        assert find_hangs(gen, cfg, training, clock.monotonic()) == []
+    clock.advance(11.0)  # rank 0's save is past its own timeout: it is named
+    for rp in gen.ranks.values():
+        rp.beat_received = clock.monotonic()
+    names = [(s.rank, s.phase) for s in find_hangs(gen, cfg, training, clock.monotonic())]
+    assert names[0] == (0, "checkpointing") and (1, "training") in names
+    # A rank that stopped beating while its peer saves is found at its own timeout.
+    gen.progressed(gen.ranks[0], "checkpointing", clock.monotonic())
+    gen.progressed(gen.ranks[1], "training", clock.monotonic())
+    clock.advance(2.2)
+    gen.ranks[0].beat_received = clock.monotonic()
+    [suspect] = find_hangs(gen, cfg, training, clock.monotonic())
+    assert suspect.rank == 1 and suspect.silent and suspect.idle_s == pytest.approx(2.2)
