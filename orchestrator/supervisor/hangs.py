@@ -11,7 +11,8 @@ The training timeout calibrates itself::
 
 where the pace is what each rank's SDK measures (``orchestrator.pace``: the second-largest of
 its last 200 step intervals past its generation's warm-up, so one slow step that does not
-recur never calibrates it), the largest the ranks reported over the job's last
+recur never calibrates it), the smallest of the ranks' (they step in lockstep: a rank's wait
+for a peer's save is no step time), the largest reported over the job's last
 ``calibration_horizon_steps`` step intervals, the value carried over from earlier
 generations through the journal's ``calibration`` events counting as measured when this
 supervisor started. The floor starts at ``training_floor_s`` (high: the first steps of a job
@@ -37,7 +38,7 @@ import collections
 from dataclasses import dataclass
 
 from orchestrator.config.schema import TimeoutsConfig
-from orchestrator.supervisor.progress import GenerationProgress, RankProgress
+from orchestrator.supervisor.progress import BUSY_PHASES, GenerationProgress, RankProgress
 
 # A new calibration is journaled only when the timeout moves by more than this fraction,
 # so a job's journal gets a handful of these, not one per heartbeat.
@@ -100,13 +101,13 @@ class TrainingTimeout:
         return max((v for _, v in self._history), default=None)
 
     def observe(self, gen: GenerationProgress) -> None:
-        """What ``gen``'s ranks report now: its intervals measured and the largest of them."""
+        """What ``gen``'s ranks report now: its intervals measured and its pace."""
         first, last = gen.first_step, gen.last_step
         if first is not None and last is not None and 0 <= first <= last:
             count = last - first
             if count > self._by_generation.get(gen.generation, 0):
                 self._by_generation[gen.generation] = count
-        interval = gen.interval_max
+        interval = gen.pace
         if interval is not None and interval > 0 and \
                 (not self._history or self._history[-1][1] != interval):
             self._history.append((self.intervals, interval))
@@ -188,27 +189,28 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
         suspect = _check(rp, cfg, training, now)
         if suspect is not None:
             hung.append(suspect)
-    if hung and not all(s.silent for s in hung) and _busy_peer(gen, cfg, training, now):
+    if hung and not all(s.silent for s in hung):
         # A rank still beating that waits past the training timeout while a peer is in a
         # longer phase (rank 0 of a script saving or evaluating alone, the others blocked in
-        # their next collective) waits for that peer: it is not hung. The busy peer is
-        # judged by its own phase's timeout; a rank that stopped beating is named as ever.
-        hung = [s for s in hung if s.silent or s.phase != "training"]
+        # their next collective) waits for that peer: it is not hung, until a training
+        # timeout after the peer left that phase (its step reaches us a beat later). The
+        # busy peer is judged by its own phase's timeout; a rank that stopped beating is
+        # named as ever.
+        busy = _busy_peer(gen, cfg, training, now)
+        ended = gen.busy_ended
+        hung = [s for s in hung if s.silent or s.phase != "training" or not (
+            busy or (ended is not None and now - ended <= s.timeout_s))]
     if hung:
         hung.extend(_silent_peers(hung, gen, cfg, training, now))
     hung.sort(key=lambda s: (not s.silent, s.step if s.step is not None else -1, -s.idle_s))
     return hung
 
 
-# Phases in which a rank keeps its peers waiting for longer than a step, legitimately.
-_BUSY_PHASES = ("loading", "compiling", "checkpointing", "evaluating")
-
-
 def _busy_peer(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
                now: float) -> bool:
     """Whether a rank that still beats is in a busy phase within its timeout."""
     quiet = max(3 * cfg.heartbeat_interval_s, 1.0)
-    for phase in _BUSY_PHASES:
+    for phase in BUSY_PHASES:
         ranks = gen.idle.get(phase)
         if ranks is None:
             continue

@@ -29,8 +29,9 @@ def _config(tmp_path: Path, dataset_dir: Path, script_env: dict[str, str], **sec
     # (its ranks stall for a second now and then).
     timeouts = {"heartbeat_interval_s": 0.25, "training_floor_calibrated_s": 2.0,
                 **sections.pop("timeouts", {})}
+    # trainer.steps: only the bound chaos kills are checked against (the script has its own).
     return write_config(tmp_path / "job.yaml", dataset_dir, job=job, timeouts=timeouts,
-                        restart={"max_restarts": 0}, **sections)
+                        restart={"max_restarts": 0}, trainer={"steps": 100000}, **sections)
 
 
 def _start(cfg: Path, run_dir: Path) -> subprocess.Popen:

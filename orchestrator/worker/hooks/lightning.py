@@ -81,8 +81,9 @@ class _Callback:
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.hook is not None:
-            # Back to the phase of a rank between steps (before its first: init).
-            self.hook.set_phase("training" if self._reported > 0 else "init")
+            # Back to the phase of a rank between steps (before its first of this process:
+            # init, which the calibrated training timeout does not judge).
+            self.hook.set_phase("training" if self.hook.worker._step is not None else "init")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         step = trainer.global_step
