@@ -186,3 +186,24 @@ def test_down_commits_a_checkpoint_through_the_framework_and_resume_continues_it
     assert [e["step"] for e in journal(run_dir) if e["kind"] == "resumed"][-1] == stop_step
     steps = [r["step"] for r in _steps(run_dir)]
     assert steps[steps.index(stop_step) + 1] == stop_step + 1 and steps[-1] == 60
+
+
+@pytest.mark.parametrize("one_line", [True, False])
+def test_the_opt_out_leaves_the_trainer_alone_and_the_one_line_still_attaches(
+        tmp_path: Path, dataset_dir: Path, one_line: bool) -> None:
+    """``job.framework_hooks: false``: the preload hook attaches nothing (steps come from the
+    optimizer count alone, no loss); the script's own one line attaches the hook anyway."""
+    cfg = _config(tmp_path, dataset_dir, "lightning",
+                  {"STEPS": "12", **({"ATTACH": "1"} if one_line else {})},
+                  job={"framework_hooks": False})
+    run_dir = tmp_path / "run"
+    out = finish(_start(cfg, run_dir), run_dir, 300)
+    assert status(run_dir)["state"] == "COMPLETED", out[-4000:]
+    records = _steps(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    if one_line:
+        assert all(r["framework"] == "lightning" and r["loss"] > 0 for r in records)
+        assert _committed(run_dir) == [10, 12]
+    else:
+        assert not any("loss" in r or "framework" in r for r in records)
+        assert _committed(run_dir) == []

@@ -90,4 +90,4 @@ def test_a_healthy_script_with_its_own_saves_and_evaluation_runs_10_minutes_unha
     assert status(run_dir)["state"] == "STOPPED", out[-4000:]
     assert [e for e in journal(run_dir) if e["kind"] == "failure"] == []
     steps = len(_intervals(run_dir)) + 1
-    assert steps > 1000, steps  # it trained all along
+    assert steps > 300, steps  # it trained all along

@@ -157,7 +157,8 @@ def attach(trainer: Any, hook: FrameworkHook | None = None) -> Any:
         if cb.hook is None:
             cb.hook = FrameworkHook("lightning")
         ckpts = cb.hook.checkpoints
-        if kwargs.get("ckpt_path") is None and len(args) < 4 and ckpts is not None:
+        # fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        if kwargs.get("ckpt_path") is None and len(args) < 5 and ckpts is not None:
             found = ckpts.newest()
             if found is not None:
                 kwargs["ckpt_path"] = os.path.join(found[1], CKPT_NAME)
