@@ -219,3 +219,16 @@ def api_call(url: str, token: str | None, body: bytes | None = None,
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read() or b"{}")
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """One sample of the supervisor's ``/metrics`` at ``base`` (its name and labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=15) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    raise AssertionError(f"{name} {labels} not in /metrics")

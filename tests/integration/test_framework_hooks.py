@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import env, finish, journal, kill_run, kill_strays, status, wait_for, write_config
+from jobs import (env, finish, journal, kill_run, kill_strays, metric, status, wait_for,
+                  write_config)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FRAMEWORKS = {"lightning": SCRIPTS / "lightning_tiny.py", "hf": SCRIPTS / "hf_tiny.py"}
@@ -160,6 +161,10 @@ def test_down_commits_a_checkpoint_through_the_framework_and_resume_continues_it
     proc = _start(cfg, run_dir)
     try:
         wait_for(lambda: _progress(run_dir) >= 14, timeout=240, what="step 14")
+        # The supervisor's /metrics while it trains: the step and the goodput books.
+        base = f"http://127.0.0.1:{json.loads((run_dir / 'supervisor.json').read_text())['port']}"
+        assert metric(base, "orchestrator_training_step", job="t") >= 14
+        assert 0 < metric(base, "orchestrator_goodput_ratio", job="t") <= 1
         down = subprocess.run([sys.executable, "-m", "orchestrator", "down", str(run_dir)],
                               capture_output=True, text=True, env=env(), timeout=200)
         out, _ = proc.communicate(timeout=200)
