@@ -137,15 +137,15 @@ def test_a_killed_rank_resumes_from_our_checkpoint_and_a_stopped_one_is_found_in
     assert detected <= bound + 0.5, (detected, bound)  # + the journal's own lag on a busy host
     assert failures[1]["suspects"][0]["timeout_s"] <= bound
 
+    if not EXACT[framework]:
+        return
     clean_dir = tmp_path / "clean"
     clean = _config(tmp_path, dataset_dir, framework, script_env,
                     checkpoint={"interval_steps": 10, "keep_last": 3})
     finish(_start(clean, clean_dir), clean_dir, 400)
     assert status(clean_dir)["state"] == "COMPLETED"
     ours, theirs = _final_params(_run_log(run_dir)), _final_params(_run_log(clean_dir))
-    assert ours and theirs
-    if EXACT[framework]:
-        assert ours == theirs
+    assert ours and ours == theirs
 
 
 def _progress(run_dir: Path) -> int:
