@@ -219,7 +219,7 @@ def main() -> int:
     report = {**header(), "script": str(SCRIPT.relative_to(ROOT)), "step_s": 0.2,
               "hang_cap_s": args.hang_cap, "orchestrator": mine, "torchrun": theirs,
               "note": "None: not detected within hang_cap_s. Orchestrator timeouts are the "
-                      "defaults (3 x the step pace; floor 30 s, 1 s once 20 intervals are "
+                      "defaults (3 x the step pace; floor 30 s, 1 s once 10 intervals are "
                       "measured). hang_found_s: SIGSTOP to STOPPING; hang_detect_s: to the "
                       "failure event, after the stack dumps."}
     print(json.dumps(report, indent=2))

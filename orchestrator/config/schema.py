@@ -240,7 +240,8 @@ class TimeoutsConfig(Section):
         "floor stays where it is (a noisy shared CPU host)."
     )
     calibration_steps: int = Field(
-        20, ge=1, description="Step intervals measured before the floor comes down.")
+        10, ge=1, description="Step intervals measured over the job (past each generation's "
+        "3 warm-up steps, carried across restarts) before the floor comes down.")
     calibration_horizon_steps: int = Field(
         500, ge=1, le=10_000_000, description="The calibrated training timeout follows the "
         "largest step interval of the job's last this many steps: one slow step (a "

@@ -90,6 +90,7 @@ class TrainingTimeout:
         if carried_max_interval:
             self._history.append((self._carried, carried_max_interval))
         self._journaled: float | None = self.value() if carried_max_interval else None
+        self._journaled_intervals = self._carried
 
     @property
     def max_interval(self) -> float | None:
@@ -135,13 +136,18 @@ class TrainingTimeout:
         return max(self.floor(), self.cfg.training_multiplier * interval)
 
     def needs_journal(self) -> bool:
-        """True once the value moved enough since it was last journaled."""
+        """True once the value moved enough since it was last journaled, or while the floor
+        is still up, once more intervals were measured: a restart carries the count from
+        the journal, and a generation killed before the floor came down must not make the
+        next one measure its intervals again."""
         if self.max_interval is None:
             return False
         now = self.value()
-        if self._journaled is None or abs(now - self._journaled) > _JOURNAL_CHANGE * \
-                self._journaled:
-            self._journaled = now
+        counting = self._journaled_intervals < self.cfg.calibration_steps \
+            and self.intervals > self._journaled_intervals
+        if self._journaled is None or counting or abs(now - self._journaled) > \
+                _JOURNAL_CHANGE * self._journaled:
+            self._journaled, self._journaled_intervals = now, self.intervals
             return True
         return False
 

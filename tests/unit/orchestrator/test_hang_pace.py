@@ -26,7 +26,7 @@ from orchestrator.supervisor.progress import GenerationProgress, ProgressTracker
 from orchestrator.worker.sdk import Worker
 from tests.fakes import FakeClock
 
-# The schema's defaults: multiplier 3, floor 30 s coming down to 1 s after 20 intervals.
+# The schema's defaults: multiplier 3, floor 30 s coming down to 1 s after 10 intervals.
 DEFAULTS = TimeoutsConfig()
 BEAT_S = 0.5  # the worker's beat, and the agent's relay of it
 DT = 0.05  # the simulation's resolution (beats, ticks and steps fall on it)
@@ -155,9 +155,9 @@ def test_the_old_largest_interval_rule_misses_the_bound_with_the_same_steps(
 
 def test_a_slow_step_that_recurs_is_part_of_the_pace_and_no_false_alarm(
         tmp_path: Path) -> None:
-    """Synchronous logging every 8 steps takes 1.5 s: its first two occurrences fall under
+    """Synchronous logging every 4 steps takes 1.5 s: its first two occurrences fall under
     the start-up floor, and once seen twice it is the pace, so every later one is covered."""
-    intervals = ([0.1] * 7 + [1.5]) * 12
+    intervals = ([0.1] * 3 + [1.5]) * 25
     rank = Rank(tmp_path, DEFAULTS)
     assert rank.run(intervals), "a recurring slow step was taken for a hang"
     assert rank.training.value() == pytest.approx(4.5)
@@ -243,7 +243,7 @@ def test_unmeasured_intervals_count_toward_the_warm_up_and_bad_ones_are_dropped(
 
 
 @settings(max_examples=30, deadline=None)
-@given(pace=st.integers(1, 40), slow=st.integers(20, 160), at=st.integers(WARMUP_STEPS, 17),
+@given(pace=st.integers(1, 40), slow=st.integers(20, 160), at=st.integers(WARMUP_STEPS, 7),
        stop_after=st.integers(40, 150))
 def test_never_a_false_alarm_and_a_stop_found_within_the_bound_after_one_slow_step(
         tmp_path_factory: pytest.TempPathFactory, pace: float, slow: float, at: int,
@@ -315,3 +315,22 @@ def test_the_jobs_pace_is_the_smallest_rank_pace_a_peers_waits_do_not_set_it() -
     assert gen.pace == 0.3 and training.value() == pytest.approx(1.0)
     gen.report_interval(0, None)  # a rank with no pace yet does not count
     assert gen.pace == 4.3
+
+
+def test_the_interval_count_is_journaled_until_the_floor_is_down_so_a_restart_carries_it(
+        ) -> None:
+    """A generation killed before the floor came down: its measured intervals still count
+    for the next one (the journal's ``calibration`` events carry the count), so a restart
+    does not wait for ten more intervals with the 30 s floor."""
+    training = TrainingTimeout(DEFAULTS, None)
+    gen = GenerationProgress(generation=1, first_step=1, last_step=1)
+    gen.report_interval(0, 0.2)
+    journaled = []
+    for last in range(2, 20):
+        gen.last_step = last
+        training.observe(gen)
+        if training.needs_journal():
+            journaled.append(training.intervals)
+    assert journaled == list(range(1, DEFAULTS.calibration_steps + 1))
+    assert TrainingTimeout(DEFAULTS, 0.2, carried_intervals=6).value() == 30
+    assert TrainingTimeout(DEFAULTS, 0.2, carried_intervals=journaled[-1]).value() == 1.0
