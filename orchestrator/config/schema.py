@@ -50,6 +50,12 @@ class JobConfig(Section):
             "so a restart skips importing torch and the trainer (built-in trainer only)."
         ),
     )
+    framework_hooks: bool = Field(
+        True, description="In a script of your own (job.entrypoint), every Lightning, Hugging "
+        "Face or torchtitan Trainer it makes reports its steps (loss, grad norm, LR, "
+        "tokens), phases and saves through the orchestrator's hook "
+        "(orchestrator.worker.hooks), with no code change; false: the script's trainers are "
+        "left as they are (the optimizer-step count still calibrates the hang timeout).")
     run_root: str = Field("runs", description="Where `up` creates run directories.")
     workdir: str | None = Field(
         None,
@@ -228,16 +234,19 @@ class TimeoutsConfig(Section):
         30, gt=0, description="Calibrated training timeout never goes below this."
     )
     training_multiplier: float = Field(
-        5.0, gt=1, description="Calibrated training timeout = multiplier x largest recent step."
+        3.0, gt=1, description="Calibrated training timeout = multiplier x the step pace (the "
+        "second-largest of a rank's last 200 step intervals past its warm-up: a slow step "
+        "that does not recur never sets it)."
     )
     training_floor_calibrated_s: float | None = Field(
-        None, gt=0, description="Once calibration_steps step intervals are measured, the "
-        "training timeout's floor comes down from training_floor_s to this (about a second "
-        "finds a hang of a fast-stepping GPU job within 3 step intervals + 2 s); null: the "
+        1.0, gt=0, description="Once calibration_steps step intervals are measured, the "
+        "training timeout's floor comes down from training_floor_s to this (a second finds "
+        "a hang within 3 step intervals + 2 s, a script without the SDK's too); null: the "
         "floor stays where it is (a noisy shared CPU host)."
     )
     calibration_steps: int = Field(
-        20, ge=1, description="Step intervals measured before the floor comes down.")
+        10, ge=1, description="Step intervals measured over the job (past each generation's "
+        "3 warm-up steps, carried across restarts) before the floor comes down.")
     calibration_horizon_steps: int = Field(
         500, ge=1, le=10_000_000, description="The calibrated training timeout follows the "
         "largest step interval of the job's last this many steps: one slow step (a "
@@ -455,6 +464,11 @@ class ChaosConfig(Section):
         default_factory=dict,
         description="rank -> seconds added to each of its steps (a straggler).",
     )
+    slow_steps: dict[int, float] = Field(
+        default_factory=dict,
+        description="n -> seconds added to each generation's n-th step on every rank (one "
+        "slow step that does not recur: a recompile, page-locking).",
+    )
 
     @field_validator("slow_ranks")
     @classmethod
@@ -462,6 +476,14 @@ class ChaosConfig(Section):
         for rank, s in v.items():
             if rank < 0 or not math.isfinite(s) or not 0 <= s <= 3600:
                 raise ValueError(f"rank {rank}: {s} s (ranks >= 0, seconds in [0, 3600])")
+        return v
+
+    @field_validator("slow_steps")
+    @classmethod
+    def _slow_steps(cls, v: dict[int, float]) -> dict[int, float]:
+        for n, s in v.items():
+            if n < 1 or not math.isfinite(s) or not 0 <= s <= 3600:
+                raise ValueError(f"step {n}: {s} s (steps >= 1, seconds in [0, 3600])")
         return v
 
 

@@ -260,11 +260,14 @@ class GenerationParts:
         limit = self.cfg.timeouts.stop_checkpoint_s
         if limit <= 0:
             return "no final checkpoint (timeouts.stop_checkpoint_s is 0)"
-        if self.cfg.job.entrypoint:
-            # A script of the user's own has no handler for the request: SIGUSR2 would
-            # end it. It saves on its own schedule.
-            return "no final checkpoint (job.entrypoint is a script of your own)"
         before = self.ctx.view.newest_checkpoint_step
+        if self.cfg.job.entrypoint and (not self.cfg.job.framework_hooks or before is None):
+            # A script of the user's own answers the request only through a framework hook
+            # (orchestrator.worker.hooks), and a script that has committed a checkpoint
+            # through the orchestrator has one; any other saves on its own schedule (the
+            # request would only set a flag it never reads).
+            return "no final checkpoint (job.entrypoint is a script of your own that has " \
+                   "committed no checkpoint through a framework hook)"
         for node in self.nodes.active():
             if node.node_rank is None or node.state is not NodeState.ACTIVE:
                 continue

@@ -267,6 +267,7 @@ class Intake:
             "message": first.describe(),
             "suspects": [{"rank": s.rank, "phase": s.phase, "step": s.step,
                           "idle_s": round(s.idle_s, 2), "silent": s.silent,
+                          "timeout_s": round(s.timeout_s, 3),
                           "beat_age_s": None if s.beat_age_s is None else round(s.beat_age_s, 2)}
                          for s in suspects]})
 

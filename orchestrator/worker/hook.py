@@ -8,6 +8,12 @@ start-up in every rank the agent starts. It
   ``torch.optim`` is imported, and reports them as the rank's steps: the rank's phase turns
   ``training`` at its first optimizer step and the step intervals calibrate the hang timeout;
 - installs the faulthandler stack dump on SIGUSR1 (the SDK's, into the run's ``stacks/``);
+- under ``job.framework_hooks`` (on by default), attaches the orchestrator's hook to every
+  Lightning, Hugging Face or torchtitan ``Trainer`` the script makes
+  (``orchestrator.worker.hooks``): step records, phases, the skip decision and saves in the
+  job's checkpoint layout;
+- marks what a script without the SDK does between its steps (``scriptphases``): an
+  evaluation and a save run in their own phases, not under the tight training timeout;
 - sets torch.distributed's default collective timeout to the supervisor's choice
   (``ORCH_COLLECTIVE_TIMEOUT_S``) once ``torch.distributed`` is imported, so a script that
   passes no timeout gets ours instead of gloo's 30 minutes.
@@ -102,7 +108,29 @@ def install(env: MutableMapping[str, str] | None = None) -> bool:
     worker = ow.start_from_hook(env)
     atexit.register(ow.shutdown)
     _register_torch_hooks(worker, ec.GenerationEnv.from_env(env).collective_timeout_s)
+    if _framework_hooks_wanted(agent.config_path):
+        from orchestrator.worker import hooks
+
+        hooks.install()
+    from orchestrator.worker import scriptphases
+
+    scriptphases.install(worker)
     return True
+
+
+def _framework_hooks_wanted(config_path: str | None) -> bool:
+    """``job.framework_hooks`` of the job's resolved config (on unless the job says no)."""
+    if not config_path:
+        return True
+    import json
+
+    try:
+        with open(config_path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return True  # the trainer's own config check reports a broken file
+    job = data.get("job") if isinstance(data, dict) else None
+    return not (isinstance(job, dict) and job.get("framework_hooks") is False)
 
 
 def _register_torch_hooks(worker: Any, collective_timeout_s: float | None) -> None:
