@@ -121,6 +121,7 @@ class SupervisorStarted(Event):
     url: Text = ""
     resumed: bool = False
     gap_s: Finite | None = None
+    epoch: Count | None = None  # its leader epoch, with a standby (``supervisor.leader``)
 
 
 class Transition(Event):

@@ -10,6 +10,12 @@ supervisor judges it (``network.judge_network``).
 
 ``delay_s`` in the spec (from ``health.chaos.slow_network``) makes this rank sleep inside
 every timed transfer, standing for a slow NIC: its partner waits for the data just the same.
+
+The bandwidth test needs a process group over every rank, which a partitioned network
+cannot form: first each rank probes its ring partners (``reach``); when a pair cannot reach
+each other, the report is the reachability table (no bandwidth) and the judge names the
+node that cannot reach its peers. A rank that cannot reach the rendezvous store at all
+exits with an error (its node's links show as unreachable in the others' reports).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 from orchestrator import chaos
 from orchestrator.envcontract import read_health_env
 from orchestrator.health.network import ring_rounds
+from orchestrator.health.reach import probe
 
 
 def _timed(op: Any, iters: int, warmup: int, delay_s: float, sync: Any) -> float:
@@ -111,6 +118,11 @@ def summarize(table: list[dict[str, Any]], nodes: list[str], ppn: int,
             "backend": spec["backend"]}
 
 
+def _probe_s(spec: dict[str, Any]) -> float:
+    """The reachability probe's deadline: a few seconds, within the test's own timeout."""
+    return max(2.0, min(10.0, float(spec["timeout_s"]) / 3))
+
+
 def main() -> int:
     spec, out_dir = read_health_env(os.environ)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -119,11 +131,22 @@ def main() -> int:
     import torch.distributed as dist
 
     start = time.perf_counter()
-    dist.init_process_group(spec["backend"], timeout=timedelta(seconds=spec["timeout_s"]))
-    try:
-        report = measure(spec, rank, world, local)
-    finally:
-        dist.destroy_process_group()
+    timeout = timedelta(seconds=spec["timeout_s"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    reach = probe(store, spec, rank, world, local, _probe_s(spec)) if "addrs" in spec \
+        else None
+    if reach is not None and not all(lk["reachable"] for lk in reach["links"]):
+        report = {"world_size": world, "allreduce_gbps": None, "partitioned": True,
+                  "links": [{**lk, "gbps": None} for lk in reach["links"]],
+                  "missing_ranks": reach["missing"], "backend": spec["backend"]}
+    else:
+        dist.init_process_group(spec["backend"], store=dist.PrefixStore("pg", store),
+                                rank=rank, world_size=world, timeout=timeout)
+        try:
+            report = measure(spec, rank, world, local)
+        finally:
+            dist.destroy_process_group()
     report["seconds"] = round(time.perf_counter() - start, 3)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

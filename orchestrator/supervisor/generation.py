@@ -147,6 +147,7 @@ class GenerationParts:
                 collective_timeout_s=collective_timeout_s(self.cfg.timeouts,
                                                           self.intake.training_timeout),
                 chaos=self.intake.chaos.plan(),
+                run_id=self.ctx.view.run_id, lineage=self.ctx.view.lineage(generation),
             ).to_env(),
         }
 

@@ -69,6 +69,8 @@ class WorkerContext:
     lr_scale: float = 1.0
     chaos: ChaosPlan = field(default_factory=ChaosPlan)
     memory_dir: str | None = None  # the node's memory tier (set by the agent when on)
+    run_id: str | None = None  # the fencing token's run and lineage (``ORCH_LINEAGE``)
+    lineage: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
@@ -84,7 +86,7 @@ class WorkerContext:
             config_path=agent.config_path, run_dir=agent.run_dir,
             checkpoint_root=gen.checkpoint_root, resume_max_step=gen.resume_max_step,
             skip_windows=list(gen.skip_windows), lr_scale=gen.lr_scale, chaos=gen.chaos,
-            memory_dir=agent.memory_dir,
+            memory_dir=agent.memory_dir, run_id=gen.run_id, lineage=list(gen.lineage),
         )
 
 
