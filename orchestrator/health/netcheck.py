@@ -119,8 +119,9 @@ def summarize(table: list[dict[str, Any]], nodes: list[str], ppn: int,
 
 
 def _probe_s(spec: dict[str, Any]) -> float:
-    """The reachability probe's deadline: a few seconds, within the test's own timeout."""
-    return max(2.0, min(10.0, float(spec["timeout_s"]) / 3))
+    """The reachability probe's deadline: a few seconds; probing and gathering take up to
+    twice this, within the test's own timeout."""
+    return max(2.0, min(10.0, float(spec["timeout_s"]) / 4))
 
 
 def main() -> int:

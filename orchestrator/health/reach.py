@@ -66,7 +66,8 @@ def probe(store: Any, spec: dict[str, Any], rank: int, world: int, local: int,
     """Probe this rank's ring partners, publish the result, merge every rank's.
 
     Returns ``{"links": [{"a", "b", "reachable", "error"}], "missing": [ranks]}`` (node
-    ids in ``a``/``b``); ``missing`` are ranks that published nothing in time."""
+    ids in ``a``/``b``); ``missing`` are ranks that published nothing in time. Takes up to
+    twice ``deadline_s`` (probing, then gathering)."""
     nodes: list[str] = spec["nodes"]
     addrs: list[str] = spec["addrs"]
     ppn = int(spec["ppn"])
@@ -89,6 +90,9 @@ def probe(store: Any, spec: dict[str, Any], rank: int, world: int, local: int,
                 _connect(addrs[peer_node], int(port), deadline)
             mine.append({"a": a, "b": b, "rank": rank, "error": error})
         store.set(f"reach/result/{rank}", json.dumps(mine))
+        # Every rank probes until the same deadline at most: the others' results are in
+        # within as long again.
+        deadline = time.monotonic() + deadline_s
         published: dict[int, list[dict[str, Any]]] = {}
         for r in range(world):
             raw = _wait_get(store, f"reach/result/{r}", deadline)
