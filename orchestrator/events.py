@@ -383,8 +383,8 @@ class WorkerNote(_OpenEvent):
 
     kind: Literal["resumed", "checkpoint_failed", "checkpoint_skipped", "checkpoint_fetched",
                   "checkpoint_upload_retry", "checkpoint_upload_failed",
-                  "checkpoint_upload_skipped", "stability_skip", "startup",
-                  "params_digest", "worker_event"]
+                  "checkpoint_upload_skipped", "checkpoint_fenced", "stability_skip",
+                  "startup", "params_digest", "worker_event"]
     generation: Gen | None = None
     rank: Rank | None = None
     node_id: Name | None = None

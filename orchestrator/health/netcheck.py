@@ -118,10 +118,11 @@ def summarize(table: list[dict[str, Any]], nodes: list[str], ppn: int,
             "backend": spec["backend"]}
 
 
-def _probe_s(spec: dict[str, Any]) -> float:
-    """The reachability probe's deadline: a few seconds; probing and gathering take up to
-    twice this, within the test's own timeout."""
-    return max(2.0, min(10.0, float(spec["timeout_s"]) / 4))
+def _arrival_s(spec: dict[str, Any]) -> float:
+    """How long after the first rank the others may reach the rendezvous before the probe
+    takes them as cut off: the spread of a Python-with-torch start on busy nodes, within
+    the test's own timeout."""
+    return max(5.0, min(30.0, float(spec["timeout_s"]) / 4))
 
 
 def main() -> int:
@@ -133,10 +134,14 @@ def main() -> int:
 
     start = time.perf_counter()
     timeout = timedelta(seconds=spec["timeout_s"])
+    arrival = _arrival_s(spec)
+    # A rank that cannot reach the rendezvous within the arrival window is cut off: it
+    # says so (its exit) instead of waiting out the whole test.
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    reach = probe(store, spec, rank, world, local, _probe_s(spec)) if "addrs" in spec \
-        else None
+                          is_master=rank == 0, timeout=timedelta(seconds=arrival + 10),
+                          wait_for_workers=False)
+    store.set_timeout(timeout)
+    reach = probe(store, spec, rank, world, local, arrival) if "addrs" in spec else None
     if reach is not None and not all(lk["reachable"] for lk in reach["links"]):
         report = {"world_size": world, "allreduce_gbps": None, "partitioned": True,
                   "links": [{**lk, "gbps": None} for lk in reach["links"]],

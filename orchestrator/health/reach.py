@@ -62,17 +62,21 @@ def _connect(addr: str, port: int, deadline: float) -> str | None:
 
 
 def probe(store: Any, spec: dict[str, Any], rank: int, world: int, local: int,
-          deadline_s: float) -> dict[str, Any]:
+          arrival_s: float, connect_s: float = 5.0) -> dict[str, Any]:
     """Probe this rank's ring partners, publish the result, merge every rank's.
 
+    Ranks start seconds apart (a Python with torch to import on every node): a partner
+    that has not reached the rendezvous within ``arrival_s`` of the first rank that did is
+    taken as cut off; one that did gets ``connect_s`` more for its probes to go through.
     Returns ``{"links": [{"a", "b", "reachable", "error"}], "missing": [ranks]}`` (node
-    ids in ``a``/``b``); ``missing`` are ranks that published nothing in time. Takes up to
-    twice ``deadline_s`` (probing, then gathering)."""
+    ids in ``a``/``b``); ``missing`` are ranks that published nothing in time."""
     nodes: list[str] = spec["nodes"]
     addrs: list[str] = spec["addrs"]
     ppn = int(spec["ppn"])
     me = rank // ppn
-    deadline = time.monotonic() + deadline_s
+    first = float(store.compare_set("reach/t0", "", repr(time.time())).decode())
+    arrive_by = time.monotonic() + max(0.0, first + arrival_s - time.time())
+    connect_by = arrive_by + connect_s
     server = socket.create_server(("", 0), family=socket.AF_INET, backlog=16)
     stop = threading.Event()
     thread = threading.Thread(target=_accept, args=(server, stop), daemon=True)
@@ -85,18 +89,18 @@ def probe(store: Any, spec: dict[str, Any], rank: int, world: int, local: int,
                 continue
             peer_node = b if me == a else a
             peer = peer_node * ppn + local
-            port = _wait_get(store, f"reach/port/{peer}", deadline)
+            port = _wait_get(store, f"reach/port/{peer}", arrive_by)
             error = "the partner never reached the rendezvous" if port is None else \
-                _connect(addrs[peer_node], int(port), deadline)
+                _connect(addrs[peer_node], int(port),
+                         max(connect_by, time.monotonic() + connect_s))
             mine.append({"a": a, "b": b, "rank": rank, "error": error})
         store.set(f"reach/result/{rank}", json.dumps(mine))
-        # Every rank probes until the same deadline at most: the others' results are in
-        # within as long again.
-        deadline = time.monotonic() + deadline_s
+        # Every rank that arrived is done probing (us too) by then.
+        gather_by = max(connect_by, time.monotonic()) + 2 * connect_s
         published: dict[int, list[dict[str, Any]]] = {}
         for r in range(world):
-            raw = _wait_get(store, f"reach/result/{r}", deadline)
-            if raw is not None:  # every partner has probed us by the time it publishes
+            raw = _wait_get(store, f"reach/result/{r}", gather_by)
+            if raw is not None:
                 published[r] = json.loads(raw)
     finally:
         stop.set()
@@ -106,13 +110,16 @@ def probe(store: Any, spec: dict[str, Any], rank: int, world: int, local: int,
 
 
 def _wait_get(store: Any, key: str, deadline: float) -> str | None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return None
+    """The key's value, waiting for it until ``deadline`` (one that is there already is
+    taken even when the deadline has passed: a wait on a missing partner used it up)."""
     from datetime import timedelta
 
     try:
-        store.wait([key], timedelta(seconds=left))
+        if not store.check([key]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            store.wait([key], timedelta(seconds=left))
         return store.get(key).decode()
     except Exception:  # noqa: BLE001 - the store's timeout (its error type varies by version)
         return None

@@ -433,6 +433,9 @@ class Intake:
             self.ctx.log.warning("node runs a superseded generation: told to stop its ranks",
                                  node=node_id, runs=node.generation, current=generation)
             await self.nodes.assign(node_id, action="idle", generation=None)
+            if node.state is NodeState.REGISTERED:  # back after being lost: a spare now
+                self.nodes.move(node, NodeState.SPARE, node_rank=None,
+                                reason="back after its generation was superseded")
         for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
             node = self._node_of_rank(inj.rank)
             if node is None:
@@ -485,6 +488,7 @@ _MAX_LISTED = 256
 _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
                         "checkpoint_fetched", "checkpoint_upload_retry",
                         "checkpoint_upload_failed", "checkpoint_upload_skipped",
+                        "checkpoint_fenced",
                         "stability_skip", "startup"}
 
 

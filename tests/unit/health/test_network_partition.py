@@ -5,6 +5,7 @@ judge naming the node that reaches none of its peers (a single cut link fails bo
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 from hypothesis import given, settings
@@ -72,24 +73,28 @@ def test_a_rank_that_never_reaches_the_rendezvous_cuts_its_links() -> None:
     import torch.distributed as dist
 
     port = free_port()
-    nodes = ["a", "b", "c"]
-    spec = {"nodes": nodes, "addrs": ["127.0.0.1"] * 3, "ppn": 1}
+    # Four nodes, "c" cut off: "b" waits for it first (ring order) and must still see "d",
+    # which arrived meanwhile, once its wait for "c" has used the arrival window up.
+    nodes = ["a", "b", "c", "d"]
+    spec = {"nodes": nodes, "addrs": ["127.0.0.1"] * 4, "ppn": 1}
     results: dict[int, dict] = {}
 
     def rank(r: int) -> None:
-        store = dist.TCPStore("127.0.0.1", port, 3, is_master=r == 0,
+        if r == 1:
+            time.sleep(1.5)  # a slower start, within the arrival window: not cut off
+        store = dist.TCPStore("127.0.0.1", port, 4, is_master=r == 0,
                               timeout=timedelta(seconds=20), wait_for_workers=False)
-        results[r] = probe(store, spec, r, 3, 0, deadline_s=3.0)
+        results[r] = probe(store, spec, r, 4, 0, arrival_s=3.0, connect_s=1.0)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]  # rank 2 is cut off
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1, 3)]  # 2 is cut off
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[3]
     by = {(lk["a"], lk["b"]): lk["reachable"] for lk in results[0]["links"]}
-    assert by == {("a", "b"): True, ("b", "c"): False, ("c", "a"): False}
+    assert by == {("a", "b"): True, ("b", "c"): False, ("c", "d"): False, ("d", "a"): True}
     assert results[0]["missing"] == [2]
-    out = judge_network(nodes, {"world_size": 3, "partitioned": True, "links": [
+    out = judge_network(nodes, {"world_size": 4, "partitioned": True, "links": [
         {**lk, "gbps": None} for lk in results[0]["links"]]}, HealthFloors())
     assert failing(out) == ["c"]
