@@ -29,13 +29,16 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 _PREFIX = "orchbed"
+_CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 # The bed's own subnet: the addresses exist only inside its namespaces.
 SUBNET = "10.213.7"
 
@@ -241,6 +244,32 @@ class Bed:
         for hook in ("input", "output"):
             self._nft(name, f"flush chain inet orchfault {hook}")
         return time.time()
+
+    def inside(self, name: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a thread that has joined host ``name``'s network namespace: the
+        sockets it opens (a server's) live there, and so do the threads it starts (they
+        inherit it). This process's own threads stay where they are."""
+        import ctypes
+        import threading
+
+        out: list[Any] = []
+
+        def run() -> None:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            fd = os.open(f"/run/netns/{self.hosts[name].ns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns failed")
+            finally:
+                os.close(fd)
+            out.append(fn())
+
+        t = threading.Thread(target=run, name=f"netns-{name}")
+        t.start()
+        t.join(60)
+        if not out:
+            raise AssertionError(f"could not run {fn!r} inside host {name}")
+        return out[0]
 
     # -- servers ---------------------------------------------------------------------------
     def sshd(self, name: str, workdir: Path, identity: Path) -> None:

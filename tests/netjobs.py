@@ -70,21 +70,25 @@ def start_up(bed: Bed, host: str, cfg: Path, run: Path, *args: str,
                      env=python_env(**(extra_env or {})))
 
 
-def start_agent(bed: Bed, host: str, heads: list[str], run: Path, secret: str) -> Any:
+def start_agent(bed: Bed, host: str, heads: list[str], run: Path, secret: str,
+                extra_env: dict[str, str] | None = None) -> Any:
     """An agent started by the test (``launcher.kind: kubernetes``), given the job secret."""
     return bed.popen(host, [sys.executable, "-m", "orchestrator", "agent", "--head",
                             ",".join(heads), "--node-id", host, "--addr", bed[host].addr,
                             "--procs", "1", "--run-dir", str(run), "--orphan-timeout", "120"],
                      log=run.parent / f"{run.name}.agent-{host}.log",
-                     env=python_env(ORCH_TOKEN=secret))
+                     env=python_env(ORCH_TOKEN=secret, **(extra_env or {})))
 
 
 def finish(proc: Any, timeout: float, log: Path) -> int:
+    import subprocess
+
     try:
         return proc.wait(timeout=timeout)
-    except Exception:
+    except subprocess.TimeoutExpired:
         tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-        raise AssertionError(f"the supervisor did not finish in {timeout} s:\n{tail}")
+        raise AssertionError(f"the supervisor did not finish in {timeout} s:\n{tail}") \
+            from None
 
 
 # -- what the run says -----------------------------------------------------------------------

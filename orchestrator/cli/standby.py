@@ -10,7 +10,6 @@ the supervisor URLs they were given (``leader.urls``).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from orchestrator.config import Config
@@ -46,17 +45,18 @@ def _has_job(run: RunDir) -> bool:
 
 
 async def lead(cfg: Config, run: RunDir, resumed: bool, standby: bool,
-               ) -> tuple[Leadership | None, asyncio.Task | None, Config, bool]:
-    """Campaign when the job has a leader election; returns (leadership, its keeper task,
-    the config and whether the run is resumed). Without ``leader.etcd``: nothing to do."""
+               ) -> tuple[Leadership | None, Config, bool]:
+    """Campaign when the job has a leader election; returns (leadership, the config and
+    whether the run is resumed), the lease kept from a thread from the moment it is won.
+    Without ``leader.etcd``: nothing to do."""
     if not cfg.leader.etcd:
-        return None, None, cfg, resumed
+        return None, cfg, resumed
     from orchestrator.logs import get_logger
 
     leadership = Leadership(cfg.leader.etcd, cfg.leader.lock_name(cfg.job.name),
                             cfg.leader.lease_ttl_s, get_logger("orchestrator.leader"))
     await leadership.campaign()
-    keeper = asyncio.create_task(leadership.keep(), name="leadership")
+    leadership.start_keeping()
     if standby and _has_job(run):
         from orchestrator.status import load_view
 
@@ -64,10 +64,9 @@ async def lead(cfg: Config, run: RunDir, resumed: bool, standby: bool,
         cfg = validate_data(read_yaml(run.config), str(run.config))
         state = load_view(run).state
         if state.terminal or state is JobState.STOPPED:
-            keeper.cancel()
             await leadership.resign()
             raise NothingToLead(state)
         resumed = True
     elif standby:
         run.root.mkdir(parents=True, exist_ok=True)
-    return leadership, keeper, cfg, resumed
+    return leadership, cfg, resumed

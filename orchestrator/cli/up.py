@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -248,19 +249,30 @@ async def _supervise(cfg: Config, run: RunDir, resumed: bool,
                      log_format: LogFormat = LogFormat.PLAIN,
                      verbosity: Verbosity = Verbosity.NORMAL, standby: bool = False,
                      advertise_host: str | None = None) -> JobState:
-    from orchestrator.cli.live import ConsoleView, follow_job
     from orchestrator.cli.standby import NothingToLead, lead
     from orchestrator.supervisor.core import Supervisor
 
     # With leader.etcd, nothing is done before this process leads the job (``leader``).
     try:
-        leadership, keeper, cfg, resumed = await lead(cfg, run, resumed, standby)
+        leadership, cfg, resumed = await lead(cfg, run, resumed, standby)
     except NothingToLead as done:
         console.print(f"the job in {run.root} has ended ({done.state.value}): nothing to "
                       "take over")
         return done.state
-    sup = Supervisor(cfg, run, resumed=resumed, leadership=leadership,
-                     advertise_host=advertise_host)
+    try:
+        return await _run_supervisor(Supervisor(cfg, run, resumed=resumed,
+                                                leadership=leadership,
+                                                advertise_host=advertise_host),
+                                     run, log_format, verbosity)
+    finally:
+        if leadership is not None:
+            leadership.stop_keeping()  # the lease lapses: a standby may take over
+
+
+async def _run_supervisor(sup: Any, run: RunDir, log_format: LogFormat,
+                          verbosity: Verbosity) -> JobState:
+    from orchestrator.cli.live import ConsoleView, follow_job
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.request_stop, f"signal {sig.name}")
@@ -278,7 +290,7 @@ async def _supervise(cfg: Config, run: RunDir, resumed: bool,
             finally:
                 view.step()  # the last lines (the final state) before the summary
     finally:
-        for task in [*helpers, *([keeper] if keeper is not None else [])]:
+        for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
 

@@ -12,7 +12,8 @@ so each leadership term has a larger epoch than every earlier one. Every order t
 sends (``protocol.Assignment.epoch``) and every registration answer carries it; agents
 ignore orders from a lower epoch than one they have seen (``agent.lease``).
 
-The leader refreshes its lease every third of its TTL. It counts itself leader only until
+The leader refreshes its lease every third of its TTL, from a thread (its event loop may
+be busy for seconds at a time). It counts itself leader only until
 ``TTL`` after it *sent* the last refresh that etcd confirmed (etcd starts the new TTL when it
 receives the refresh, later than that): past it, a standby may already lead. ``check()``
 guards every journal write and every order; once the term is over (a refresh answered that
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +82,7 @@ class Leadership:
         self.valid_until = float("-inf")
         self.lost: str | None = None
         self.refreshes = 0
+        self._stop = threading.Event()
 
     # -- etcd ------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -146,17 +149,27 @@ class Leadership:
                 said = True
             await asyncio.sleep(poll)
 
+    def start_keeping(self) -> threading.Thread:
+        """Refresh the lease every third of its TTL for as long as this process leads, in a
+        thread of its own, started now: whatever the supervisor does next on its event loop
+        (build its view from a long journal, serve 2,048 nodes) must not let the lease
+        lapse. The thread ends once the term is over (after ``on_lost``) or
+        ``stop_keeping`` was called."""
+        thread = threading.Thread(target=self.keep_blocking, name="leader-lease",
+                                  daemon=True)
+        thread.start()
+        return thread
+
     async def keep(self) -> None:
-        """Refresh the lease every third of its TTL for as long as this process leads;
-        calls ``on_lost`` (and returns) when the term is over."""
+        """``start_keeping``, awaited until the thread ends."""
+        await asyncio.to_thread(self.keep_blocking)
+
+    def keep_blocking(self) -> None:
         period = self.ttl_s / 3
-        while self.lost is None:
-            await asyncio.sleep(period)
-            if self.lost is not None:
-                return
+        while self.lost is None and not self._stop.wait(period):
             sent = self._clock()
             try:
-                ttl = await asyncio.to_thread(self._refresh)
+                ttl = self._refresh()
             except Exception as exc:  # noqa: BLE001 - unanswered: the next endpoint, then
                 self.log.warning("etcd did not confirm the leader's lease", error=(
                     f"{type(exc).__name__}: {exc}")[:300], valid_for_s=round(
@@ -170,6 +183,10 @@ class Leadership:
             self.refreshes += 1
             self.valid_until = max(self.valid_until, sent + self.ttl_s)
             self.check()
+
+    def stop_keeping(self) -> None:
+        """Stop refreshing (the lease then lapses within its TTL)."""
+        self._stop.set()
 
     def check(self) -> None:
         """Raise nothing while this process leads; once its term is over, ``on_lost``."""
@@ -186,6 +203,7 @@ class Leadership:
 
     async def resign(self) -> None:
         """Give the lock up (the job ended): a standby need not wait for the lease."""
+        self._stop.set()
         if self._lock is None or self.lost is not None:
             return
         try:

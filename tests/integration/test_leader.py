@@ -46,10 +46,11 @@ def test_one_leader_then_the_standby_with_a_larger_epoch(etcd_url: str) -> None:
         await asyncio.sleep(3.0)  # longer than the TTL: the leader's refreshes hold it
         assert not standby.done() and a.refreshes >= 2 and lost == []
         a.check()  # still leading: nothing happens
-        keeper.cancel()  # the leader stops refreshing (it died, or hangs)
+        a.stop_keeping()  # the leader stops refreshing (it died, or hangs)
         stopped = time.monotonic()
         term_b = await asyncio.wait_for(standby, 10)
         took = time.monotonic() - stopped
+        await keeper
         assert term_b.epoch > term_a.epoch
         assert took <= 2 + 1.5  # the TTL, plus a refresh period and a poll at most
         a.check()  # the deposed leader's next action finds out
@@ -66,6 +67,7 @@ def test_a_leader_told_its_lease_is_gone_stops_acting(etcd_url: str) -> None:
         await a.campaign()
         a._lock.lease.revoke()  # an operator (or etcd) took the lease away
         await asyncio.wait_for(a.keep(), 5)
+        assert a.lost == "etcd says the lease has expired"
         assert lost == ["etcd says the lease has expired"]
 
     asyncio.run(scenario())
@@ -86,6 +88,22 @@ def test_resigning_hands_over_at_once_and_a_dead_endpoint_is_skipped(etcd_url: s
         assert time.monotonic() - t0 < 2.0  # not the 5 s TTL: the lock was released
         assert second.epoch > first.epoch
         await b.resign()
+
+    asyncio.run(scenario())
+
+
+def test_a_busy_event_loop_does_not_lose_the_lease(etcd_url: str) -> None:
+    async def scenario() -> None:
+        lost: list[str] = []
+        a = Leadership([etcd_url], "orchestrator/t5", 2, Log(), on_lost=lost.append)
+        await a.campaign()
+        keeper = asyncio.create_task(a.keep())
+        await asyncio.sleep(0)
+        time.sleep(3.0)  # the loop blocked for longer than the TTL (a big journal, say)
+        a.check()
+        assert lost == [] and a.refreshes >= 2
+        await a.resign()
+        await keeper
 
     asyncio.run(scenario())
 

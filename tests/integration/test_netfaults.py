@@ -188,7 +188,9 @@ def test_standby_supervisor_takes_over_and_the_deposed_one_cannot_act(
         heads = [f"http://{b[s].addr}:{API_PORT}" for s in ("sup1", "sup2")]
         cfg = write_config(
             tmp_path / "job.yaml", dataset_dir, job={"env": dict(BED_ENV)},
-            trainer=BED_TRAINER, timeouts=BED_TIMEOUTS,
+            # The agents' lease outlasts a takeover (TTL + the standby's start + following
+            # it), as the default (60 s) does the default TTL (5 s).
+            trainer=BED_TRAINER, timeouts={**BED_TIMEOUTS, "agent_lease_s": 30},
             launcher={"kind": "kubernetes", "python": sys.executable},
             metrics={"host": "0.0.0.0", "port": API_PORT},
             leader={"etcd": [etcd_url], "lease_ttl_s": 3, "urls": heads})
