@@ -156,8 +156,10 @@ def test_partition_between_nodes_is_a_hang_then_the_cut_off_node_is_excluded(
     m = measure(run, cut)
     failure = next(e for e in events(run, "failure") if e["ts"] >= cut)
     assert failure["cause"] == "hang"
-    # Every rank of the generation waits in a collective: both are named suspects.
-    assert {s["rank"] for s in failure["suspects"]} == {0, 1}
+    # The cut-off node's rank is named (its peer, blocked in the same collective, may be
+    # too, or may still be saving when the hang is judged).
+    suspects = {s["rank"] for s in failure["suspects"]}
+    assert 1 in suspects and suspects <= {0, 1}, failure["suspects"]
     # The network test (after the failure) names the node that reaches none of its peers.
     excluded = [e for e in events(run, "node_state", state="excluded") if e["ts"] >= cut]
     assert [e["node_id"] for e in excluded] == [victim], excluded
@@ -175,8 +177,8 @@ def test_partition_between_nodes_is_a_hang_then_the_cut_off_node_is_excluded(
                    "detected_s": m["detected_s"], "recovered_s": m["recovered_s"],
                    "data_lost": f"{m['steps_redone']} steps redone, 0 checkpoints",
                    "bit_exact": True,
-                   "notes": "hang of ranks 0 and 1; the network test named the cut-off node; "
-                            "excluded, the spare took its place"})
+                   "notes": f"hang named rank(s) {sorted(suspects)}; the network test named "
+                            "the cut-off node; excluded, the spare took its place"})
 
 
 def test_standby_supervisor_takes_over_and_the_deposed_one_cannot_act(
