@@ -18,8 +18,9 @@ from pathlib import Path
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 COLUMNS = ("fault", "injected", "detected in", "recovered in", "data lost", "bit-exact")
 # The campaign's order (a row for a fault not measured yet is left out).
-ORDER = ("node cut from everything", "node cut from everything, back", "partition between",
-         "supervisor host", "5 % packet loss", "30 % packet loss", "checkpoint filesystem")
+ORDER = ("node cut from everything", "node cut from everything, back", "split brain",
+         "partition between", "supervisor host", "5 % packet loss", "30 % packet loss",
+         "checkpoint filesystem")
 
 
 def _seconds(value: object) -> str:
