@@ -126,13 +126,17 @@ def node_ranks(run: Path, generation: int = 1) -> dict[str, int]:
 
 def measure(run: Path, injected: float, lost_node: str | None = None,
             generation: int = 1) -> dict[str, Any]:
-    """From the journal and rank 0's step records: detection, recovery, redone steps."""
-    failure = next((e for e in events(run, "failure") if e["ts"] >= injected), None)
+    """From the journal and rank 0's step records: detection, recovery, redone steps (of
+    the first failure at or after ``injected``, in ``generation``)."""
+    failure = next((e for e in events(run, "failure") if e["ts"] >= injected
+                    and e.get("generation") == generation), None)
     lost = next((e for e in events(run, "node_state", node_id=lost_node, state="lost")
                  if e["ts"] >= injected), None) if lost_node else None
     detected = lost or failure
     nxt = next((e for e in events(run, "first_step") if e["generation"] > generation), None)
-    before = [s for s in steps(run) if s.get("ts", 0) <= injected]
+    # The progress lost: what rank 0 had reported when the generation failed.
+    until = failure["ts"] if failure else injected
+    before = [s for s in steps(run) if s.get("ts", 0) <= until]
     at_fault = before[-1]["step"] if before else 0
     resumed = nxt["step"] - 1 if nxt else None
     return {
@@ -143,6 +147,17 @@ def measure(run: Path, injected: float, lost_node: str | None = None,
         "steps_redone": None if resumed is None else max(0, at_fault - resumed),
         "cause": failure["cause"] if failure else None,
     }
+
+
+def redone(run: Path, since: float, until: float) -> tuple[int, int]:
+    """(failures, steps redone in all) for the failures journaled in [since, until]: each
+    failure's last reported step minus the step its next generation resumed from."""
+    total, count = 0, 0
+    for f in events(run, "failure"):
+        if since <= f["ts"] <= until:
+            count += 1
+            total += measure(run, since, generation=f["generation"])["steps_redone"] or 0
+    return count, total
 
 
 def record_result(row: dict[str, Any]) -> None:
