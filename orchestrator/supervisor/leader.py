@@ -111,6 +111,11 @@ class Leadership:
 
         lock = Lock(self.name, ttl=self.ttl_s, client=self._client())
         if not lock.acquire():
+            try:  # each attempt grants a lease: give a losing one back at once
+                if lock.lease is not None:
+                    lock.lease.revoke()
+            except Exception:  # noqa: BLE001 - it lapses within its TTL anyway
+                pass
             return None
         found = lock.client.get(lock.key, metadata=True)
         mine = [meta for value, meta in found if value == lock.uuid.encode("latin-1")]
@@ -128,14 +133,17 @@ class Leadership:
         """Wait until this supervisor leads; returns the term (its epoch)."""
         poll = poll_s if poll_s is not None else min(0.5, self.ttl_s / 4)
         waiting_since = self._clock()
-        said = False
+        said, failures = False, 0
         while True:
             sent = self._clock()
             try:
                 term = await asyncio.to_thread(self._try_acquire)
             except Exception as exc:  # noqa: BLE001 - etcd unreachable: try the next one
-                self.log.warning("etcd unreachable while campaigning", endpoint=self.endpoints[
-                    self._at], error=f"{type(exc).__name__}: {exc}"[:300])
+                if failures % 20 == 0:  # said once, then every 20th try
+                    self.log.warning("etcd unreachable while campaigning",
+                                     endpoint=self.endpoints[self._at], tries=failures + 1,
+                                     error=f"{type(exc).__name__}: {exc}"[:300])
+                failures += 1
                 self._next_endpoint()
                 term = None
             if term is not None:
