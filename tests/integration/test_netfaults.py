@@ -156,10 +156,11 @@ def test_partition_between_nodes_is_a_hang_then_the_cut_off_node_is_excluded(
     m = measure(run, cut)
     failure = next(e for e in events(run, "failure") if e["ts"] >= cut)
     assert failure["cause"] == "hang"
-    # The cut-off node's rank is named (its peer, blocked in the same collective, may be
-    # too, or may still be saving when the hang is judged).
+    # The ranks named are those of the two nodes the partition separates (here, every
+    # rank: which of them is judged first depends on who was in a checkpoint's phase);
+    # telling which node is cut off is the network test's job, below.
     suspects = {s["rank"] for s in failure["suspects"]}
-    assert 1 in suspects and suspects <= {0, 1}, failure["suspects"]
+    assert suspects and suspects <= {0, 1}, failure["suspects"]
     # The network test (after the failure) names the node that reaches none of its peers.
     excluded = [e for e in events(run, "node_state", state="excluded") if e["ts"] >= cut]
     assert [e["node_id"] for e in excluded] == [victim], excluded
