@@ -121,6 +121,7 @@ class SupervisorStarted(Event):
     url: Text = ""
     resumed: bool = False
     gap_s: Finite | None = None
+    epoch: Count | None = None  # its leader epoch, with a standby (``supervisor.leader``)
 
 
 class Transition(Event):
@@ -393,8 +394,8 @@ class WorkerNote(_OpenEvent):
 
     kind: Literal["resumed", "checkpoint_failed", "checkpoint_skipped", "checkpoint_fetched",
                   "checkpoint_upload_retry", "checkpoint_upload_failed",
-                  "checkpoint_upload_skipped", "stability_skip", "startup",
-                  "params_digest", "recovered", "recovery_failed", "worker_event"]
+                  "checkpoint_upload_skipped", "checkpoint_fenced", "stability_skip",
+                  "startup", "params_digest", "recovered", "recovery_failed", "worker_event"]
     generation: Gen | None = None
     rank: Rank | None = None
     node_id: Name | None = None

@@ -266,6 +266,25 @@ class JobView:
         return [by_step[s] for s in sorted(by_step)]
 
     @property
+    def run_id(self) -> str:
+        """This run's id, the same from every reader of its journal: the fencing token's
+        scope (generations are numbered per run; ``trainer.checkpoint.fence``)."""
+        import hashlib
+
+        seed = f"{self.run_dir}|{self.created_ts!r}|{self.job}".encode()
+        return "run-" + hashlib.sha256(seed).hexdigest()[:16]
+
+    def lineage(self, launching: int | None = None) -> list[tuple[int, int]]:
+        """Every launched generation with the step it resumed from (-1: none), plus
+        ``launching`` (about to be launched, from the newest checkpoint) when given."""
+        out = [(int(launch["generation"]), -1 if launch.get("resume_step") is None
+                else int(launch["resume_step"])) for launch in self.launches]
+        if launching is not None:
+            step = self.newest_checkpoint_step
+            out.append((launching, -1 if step is None else step))
+        return out
+
+    @property
     def newest_checkpoint_step(self) -> int | None:
         live = self.committed_checkpoints
         return live[-1]["step"] if live else None

@@ -136,6 +136,7 @@ class RegisterResponse(Message):
     # Where to send heartbeats instead of the API's port (``api.heartbeat_process``): the
     # same host the agent reached the supervisor at, this port; None: the API's own.
     heartbeat_port: Port | None = None
+    epoch: int = 0  # the answering supervisor's leader epoch (``Assignment.epoch``)
 
 
 class Heartbeat(Inbound):
@@ -296,6 +297,9 @@ class Assignment(Message):
     """What one node should be doing now. ``version`` grows with every change."""
 
     version: int = 0
+    # The leader epoch of the supervisor that gave it (``supervisor.leader``; 0: no
+    # election): an agent ignores an order from an epoch older than one it has seen.
+    epoch: int = 0
     action: Literal["idle", "run", "stop", "exit", "health"] = "idle"
     generation: int | None = None
     node_rank: int | None = None

@@ -23,6 +23,7 @@ from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
 from orchestrator.agent.keyservice import KeyService, make_undumpable
+from orchestrator.agent.lease import SupervisorLease
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
@@ -85,6 +86,7 @@ class Agent:
         self._port_announced = False  # registered again with the job's own port choice
         self.health = HealthWork(node_id, run_dir, self._rank_env, self._queue, self._renew_port)
         self.memory: NodeMemory | None = None  # the memory tier's files, while on
+        self.lease = SupervisorLease(self.log)  # ranks stop when the supervisor is gone
 
     # -- main --------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -104,7 +106,10 @@ class Agent:
             roots = RootTasks({
                 "register": self._register_loop(), "heartbeat": self._heartbeat_loop(),
                 "assignment": self._assignment_loop(), "events": self._event_loop(),
-                "orphan_watch": self._orphan_watch()})
+                "orphan_watch": self._orphan_watch(), "lease": self.lease.watch(
+                    lambda: self.node_config.lease_s, self._running, self._lease_stop),
+                "follow": self.lease.follow(self.client, lambda: self.heartbeat_s,
+                                            self._registered.clear)})
             try:
                 await roots.wait(self._exit)
             except RootTaskFailed as exc:
@@ -140,6 +145,13 @@ class Agent:
 
     def _contact(self) -> None:
         self._last_contact = time.monotonic()
+        self.lease.renew()
+
+    def _running(self) -> int | None:
+        return self.ranks.generation if self.ranks is not None and self.ranks.alive else None
+
+    async def _lease_stop(self) -> None:
+        await self._stop_ranks(report=True, generation=self._running())
 
     async def _register_loop(self) -> None:
         """Register now, and again whenever the supervisor forgets us (restart)."""
@@ -162,6 +174,10 @@ class Agent:
                 await asyncio.sleep(1.0)
                 continue
             resp = RegisterResponse.model_validate(data)
+            if not self.lease.accepts(resp.epoch):  # a deposed leader: try the next URL
+                self.client.rotate()
+                await asyncio.sleep(0.5)
+                continue
             self.heartbeat_s = resp.heartbeat_interval_s
             self.beat_url = None if resp.heartbeat_port is None else \
                 self.client.url_at_port(resp.heartbeat_port)
@@ -282,7 +298,10 @@ class Agent:
                 self._forget_registration(exc)
                 await asyncio.sleep(0.5)
                 continue
-            if data:
+            if data and not self.lease.accepts(data.get("epoch")):
+                self.client.rotate()  # a deposed leader's order: never carried out
+                await asyncio.sleep(0.5)
+            elif data:
                 await self._reconcile(Assignment.model_validate(data))
 
     async def _reconcile(self, a: Assignment) -> None:
@@ -373,6 +392,9 @@ class Agent:
             return ec.memory_env(str(self.memory.path)) if self.memory is not None else {}
         if self.memory is None:
             self.memory = NodeMemory(nc.memory_root, self.run_dir, self.node_id)
+        if not self.lease.memory_continues(self.ranks.generation if self.ranks else None,
+                                           a.generation):
+            self.memory.forget()  # copies of an earlier, or deposed, generation
         try:
             slot = self.memory.provision(
                 [a.rank_offset + i for i in range(a.nproc)], a.world_size, a.nproc,

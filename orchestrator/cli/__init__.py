@@ -82,6 +82,12 @@ def up(
     = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every log line too.")]
     = False,
+    standby: Annotated[bool, typer.Option(
+        help="Wait as a standby supervisor (leader.etcd): take the job of --run-dir over when "
+             "its leader's lease lapses.")] = False,
+    advertise_host: Annotated[str | None, typer.Option(
+        help="Address agents reach this supervisor at (default: launcher.advertise_host, "
+             "else this host's name); a standby on another host has its own.")] = None,
 ) -> None:
     """Start the supervisor and run the job to completion; exit 0 only when it completed.
 
@@ -101,7 +107,8 @@ def up(
     verbosity = Verbosity.QUIET if quiet else Verbosity.VERBOSE if verbose else Verbosity.NORMAL
     raise typer.Exit(run_up(config, run_dir, overrides or [], detach=detach, resume=resume,
                             chaos_kill_at=chaos_kill_at or [], log_format=fmt,
-                            verbosity=verbosity))
+                            verbosity=verbosity, standby=standby,
+                            advertise_host=advertise_host))
 
 
 @app.command()

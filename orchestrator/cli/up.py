@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -40,7 +41,15 @@ def _load(config: Path | None, overrides: list[str], chaos_kill_at: list[int]) -
 def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, detach: bool,
            resume: Path | None, chaos_kill_at: list[int],
            log_format: LogFormat = LogFormat.AUTO,
-           verbosity: Verbosity = Verbosity.NORMAL) -> int:
+           verbosity: Verbosity = Verbosity.NORMAL, standby: bool = False,
+           advertise_host: str | None = None) -> int:
+    if standby:
+        from orchestrator.cli.standby import standby_problem
+
+        problem = standby_problem(config, run_dir, resume, detach)
+        if problem:
+            console.print(f"[red]error[/red] {problem}")
+            return 2
     make_private()  # the run directory, and what the supervisor and its agents write
     try:
         if resume is not None:
@@ -55,15 +64,20 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
     except FileNotFoundError as exc:
         console.print(f"[red]error[/red] {exc}")
         return 2
-    problem = _launcher_problem(cfg)
+    problem = _launcher_problem(cfg) or (
+        "--standby needs leader.etcd in the config (the store the supervisors elect "
+        "their leader through)" if standby and not cfg.leader.etcd else None)
     if problem:
         console.print(f"[red]error[/red] {problem}")
         return 2
-    if resume is not None:
+    if resume is not None and not cfg.leader.etcd:  # with a standby, etcd decides
         refusal = _resume_refusal(run, cfg)
         if refusal:  # never a second supervisor, never its pid file
             console.print(f"[red]error[/red] {refusal}")
             return 1
+    elif standby:
+        assert run_dir is not None  # standby_problem checked it
+        run = RunDir(run_dir.expanduser().resolve())
     else:
         try:
             run = _new_run_dir(cfg, run_dir)
@@ -76,7 +90,8 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
             verbosity, [])
         return _detach(config, run, overrides, chaos_kill_at, resume, extra)
     return _foreground(cfg, run, resumed=resume is not None,
-                       log_format=log_format.resolve(sys.stderr), verbosity=verbosity)
+                       log_format=log_format.resolve(sys.stderr), verbosity=verbosity,
+                       standby=standby, advertise_host=advertise_host)
 
 
 def _launcher_problem(cfg: Config) -> str | None:
@@ -227,7 +242,8 @@ def _wait_listening(run: RunDir, proc: subprocess.Popen) -> int | None:
 
 def _foreground(cfg: Config, run: RunDir, resumed: bool,
                 log_format: LogFormat = LogFormat.PLAIN,
-                verbosity: Verbosity = Verbosity.NORMAL) -> int:
+                verbosity: Verbosity = Verbosity.NORMAL, standby: bool = False,
+                advertise_host: str | None = None) -> int:
     from orchestrator.cli.live import setup_logging
     from orchestrator.logs import get_logger
 
@@ -235,7 +251,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
     log = get_logger("orchestrator.cli")
     if resumed:
         _say_resuming(run, log_format)
-    if not resumed and cfg.job.entrypoint is None:
+    if (not resumed or standby) and cfg.job.entrypoint is None:
         try:
             _prepare_data(cfg, show=log_format is LogFormat.RICH)
         except (OSError, ValueError) as exc:
@@ -245,7 +261,8 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
              nodes=cfg.cluster.nodes, procs_per_node=cfg.cluster.procs_per_node,
              spares=cfg.cluster.spares, launcher=cfg.launcher.kind)
     try:
-        state = asyncio.run(_supervise(cfg, run, resumed, log_format, verbosity))
+        state = asyncio.run(_supervise(cfg, run, resumed, log_format, verbosity, standby,
+                                       advertise_host))
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
@@ -286,11 +303,32 @@ def _say_resuming(run: RunDir, log_format: LogFormat) -> None:
 
 async def _supervise(cfg: Config, run: RunDir, resumed: bool,
                      log_format: LogFormat = LogFormat.PLAIN,
-                     verbosity: Verbosity = Verbosity.NORMAL) -> JobState:
-    from orchestrator.cli.live import ConsoleView, follow_job
+                     verbosity: Verbosity = Verbosity.NORMAL, standby: bool = False,
+                     advertise_host: str | None = None) -> JobState:
+    from orchestrator.cli.standby import NothingToLead, lead
     from orchestrator.supervisor.core import Supervisor
 
-    sup = Supervisor(cfg, run, resumed=resumed)
+    # With leader.etcd, nothing is done before this process leads the job (``leader``).
+    try:
+        leadership, cfg, resumed = await lead(cfg, run, resumed, standby)
+    except NothingToLead as done:
+        console.print(f"the job in {run.root} has ended ({done.state.value}): nothing to "
+                      "take over")
+        return done.state
+    try:
+        return await _run_supervisor(Supervisor(cfg, run, resumed=resumed,
+                                                leadership=leadership,
+                                                advertise_host=advertise_host),
+                                     run, log_format, verbosity)
+    finally:
+        if leadership is not None:
+            leadership.stop_keeping()  # the lease lapses: a standby may take over
+
+
+async def _run_supervisor(sup: Any, run: RunDir, log_format: LogFormat,
+                          verbosity: Verbosity) -> JobState:
+    from orchestrator.cli.live import ConsoleView, follow_job
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.request_stop, f"signal {sig.name}")

@@ -229,6 +229,12 @@ class TimeoutsConfig(Section):
         0.5, gt=0, description="How often ranks and agents send heartbeats."
     )
     node_lost_s: float = Field(10, gt=0, description="An agent silent this long is node_lost.")
+    agent_lease_s: float = Field(
+        60, ge=0, description="An agent that has had no answer from its supervisor this long "
+        "stops its ranks (a node cut off from the supervisor, which replaces it after "
+        "node_lost_s, must not train on beside its replacement: what it writes meanwhile is "
+        "fenced by the checkpoint readers; this bounds how long it can go on). Longer than a "
+        "supervisor restart takes (`up --resume` keeps the ranks training); 0: never.")
     phases: PhaseTimeouts = Field(default_factory=PhaseTimeouts)
     training_floor_s: float = Field(
         30, gt=0, description="Calibrated training timeout never goes below this."
@@ -265,6 +271,12 @@ class TimeoutsConfig(Section):
                 "training_floor_calibrated_s",
                 f"training_floor_calibrated_s ({low}) is where the floor comes down to: "
                 f"at most training_floor_s ({self.training_floor_s})")
+        if 0 < self.agent_lease_s <= 2 * self.heartbeat_interval_s:
+            raise FieldError(
+                "agent_lease_s",
+                f"agent_lease_s ({self.agent_lease_s}) must be 0 (no lease) or exceed two "
+                f"heartbeat intervals ({2 * self.heartbeat_interval_s})",
+            )
         if self.node_lost_s <= 2 * self.heartbeat_interval_s:
             raise FieldError(
                 "node_lost_s",
@@ -421,6 +433,42 @@ class ApiConfig(Section):
         return self
 
 
+class LeaderConfig(Section):
+    """A standby supervisor: leadership of the job held as an etcd lease
+    (``orchestrator.supervisor.leader``). Empty ``etcd``: one supervisor, no election."""
+
+    etcd: list[str] = Field(
+        default_factory=list,
+        description="etcd client URLs (http://host:2379), tried in turn. Set: every `up` of "
+        "this job campaigns for its lock first; the winner leads, the others (`up --standby "
+        "--run-dir RUN`, the run dir on shared storage) wait and take over when its lease "
+        "lapses.")
+    lease_ttl_s: int = Field(
+        5, ge=2, le=300,
+        description="The leader's etcd lease: a standby takes over about this long after the "
+        "leader stops refreshing it (dies, or is cut off); the leader stops acting once it "
+        "cannot confirm a refresh within it.")
+    key: str | None = Field(
+        None, max_length=200, pattern=r"^[A-Za-z0-9_./-]+$",
+        description="The lock's name in etcd (default: orchestrator/<job.name>).")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="The API URL of every supervisor that may lead (http://head-a:9410, "
+        "http://head-b:9410): agents get them all and try them in turn, so they follow a "
+        "standby that takes over.")
+
+    @field_validator("etcd", "urls")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not re.match(r"^https?://[^\s/,]+(:\d+)?/?$", url):
+                raise ValueError(f"{url!r}: expected http(s)://host[:port]")
+        return v
+
+    def lock_name(self, job: str) -> str:
+        return self.key or f"orchestrator/{job}"
+
+
 class KillSpec(Section):
     """One injected rank kill."""
 
@@ -506,6 +554,7 @@ class Config(Section):
     deploy: DeployConfig = Field(default_factory=DeployConfig, description="What `orchestrator "
                                  "deploy` renders (Kubernetes, Slurm, SageMaker); unused by "
                                  "the job itself.")
+    leader: LeaderConfig = Field(default_factory=LeaderConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -279,7 +279,8 @@ class HealthCoordinator:
 
         timeout = cfg.timeout_of("network.allreduce") + cfg.timeout_of("network.pairwise")
         master = nodes[0]
-        spec = {"nodes": [n.node_id for n in nodes], "ppn": ppn,
+        spec = {"nodes": [n.node_id for n in nodes], "addrs": [n.addr for n in nodes],
+                "ppn": ppn,
                 "backend": "nccl" if cluster.accelerator == "cuda" else "gloo",
                 "allreduce_mib": cfg.network.allreduce_mib,
                 "pairwise_mib": cfg.network.pairwise_mib, "iters": cfg.network.iters,

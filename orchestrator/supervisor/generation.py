@@ -173,6 +173,7 @@ class GenerationParts:
                 chaos=self.intake.chaos.plan(),
                 in_job_wait_s=self.cfg.restart.in_job_wait_s if self.cfg.restart.in_job
                 else None,
+                run_id=self.ctx.view.run_id, lineage=self.ctx.view.lineage(generation),
             ).to_env(),
         }
 

@@ -87,6 +87,9 @@ class Intake:
         self._started_count = 0  # sum of len(started[...]), kept as it changes
         self.exits: dict[int, dict[str, Any]] = {}
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
+        # Nodes that said they run a generation older than the newest launched (a node that
+        # was lost and came back with its ranks): told to stop them at the next tick.
+        self.superseded: set[str] = set()
         self._config_json: dict[str, Any] | None = None
         self.running_since: float | None = None
         self.training_timeout = TrainingTimeout(
@@ -110,6 +113,7 @@ class Intake:
             if previous is not None and previous.state == NodeState.ACTIVE.value:
                 self.nodes.move(node, NodeState.ACTIVE, reason="active before the "
                                 "supervisor restart", node_rank=previous.node_rank)
+        self._note_superseded(node, req.generation)
         if req.generation is not None and req.generation == self.generation:
             # Re-registration mid-generation (supervisor restart, network blip): the ranks
             # it reports alive count as started; exits it holds arrive as queued events.
@@ -126,12 +130,27 @@ class Intake:
             self._config_json = self.cfg.model_dump(mode="json")
         return RegisterResponse(node_id=req.node_id, job=self.cfg.job.name,
                                 config=self._config_json,
-                                heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s)
+                                heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s,
+                                epoch=self.nodes.epoch)
+
+    def _note_superseded(self, node: NodeRecord, generation: int | None) -> None:
+        """A node whose ranks run a generation older than the newest launched was lost
+        and is back: it never rejoins that generation (its peers have moved on)."""
+        if generation is not None and generation < self.ctx.view.generation \
+                and self._told_to_run_old(node):
+            self.superseded.add(node.node_id)
+
+    def _told_to_run_old(self, node: NodeRecord) -> bool:
+        """Its assignment still runs (or stops) an old generation: not yet told otherwise
+        (an active node told to run the newest one is on its way there)."""
+        a = node.assignment
+        return a.action in ("run", "stop") and a.generation != self.ctx.view.generation
 
     def on_heartbeat(self, hb: Heartbeat) -> dict[str, Any]:
         node = self.nodes.heartbeat(hb.node_id, hb.generation, hb.free_port, hb.ranks)
         if node is None:
             raise UnknownNode(hb.node_id)
+        self._note_superseded(node, hb.generation)
         self.progress.on_ranks(hb.generation, hb.ranks)
         if hb.generation is not None and hb.generation == self.generation:
             self.stragglers.on_ranks(hb.node_id, hb.ranks)
@@ -428,6 +447,17 @@ class Intake:
         if self.ctx.view.state is JobState.RUNNING and self.running_since is None:
             self.running_since = self.ctx.clock.monotonic()
         self.stragglers.tick(generation)
+        while self.superseded:
+            node_id = self.superseded.pop()
+            node = self.nodes.nodes.get(node_id)
+            if node is None or not self._told_to_run_old(node):
+                continue
+            self.ctx.log.warning("node runs a superseded generation: told to stop its ranks",
+                                 node=node_id, runs=node.generation, current=generation)
+            await self.nodes.assign(node_id, action="idle", generation=None)
+            if node.state is NodeState.REGISTERED:  # back after being lost: a spare now
+                self.nodes.move(node, NodeState.SPARE, node_rank=None,
+                                reason="back after its generation was superseded")
         for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
             node = self._node_of_rank(inj.rank)
             if node is None:
@@ -478,6 +508,7 @@ _MAX_LISTED = 256
 _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
                         "checkpoint_fetched", "checkpoint_upload_retry",
                         "checkpoint_upload_failed", "checkpoint_upload_skipped",
+                        "checkpoint_fenced",
                         "stability_skip", "startup", "recovered", "recovery_failed"}
 
 

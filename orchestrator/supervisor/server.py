@@ -257,7 +257,8 @@ class ApiServer:
     async def healthz(self, request: web.Request) -> web.Response:
         view = self.sup.view
         return web.json_response({"ok": True, "state": view.state.value,
-                                  "generation": view.generation})
+                                  "generation": view.generation,
+                                  "epoch": self.sup.intake.nodes.epoch})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.sup.metrics.registry)

@@ -73,6 +73,8 @@ class WorkerContext:
     chaos: ChaosPlan = field(default_factory=ChaosPlan)
     memory_dir: str | None = None  # the node's memory tier (set by the agent when on)
     in_job_wait_s: float | None = None  # in-job recovery on: how long to wait for the order
+    run_id: str | None = None  # the fencing token's run and lineage (``ORCH_LINEAGE``)
+    lineage: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
@@ -89,6 +91,7 @@ class WorkerContext:
             checkpoint_root=gen.checkpoint_root, resume_max_step=gen.resume_max_step,
             skip_windows=list(gen.skip_windows), lr_scale=gen.lr_scale, chaos=gen.chaos,
             memory_dir=agent.memory_dir, in_job_wait_s=gen.in_job_wait_s,
+            run_id=gen.run_id, lineage=list(gen.lineage),
         )
 
 

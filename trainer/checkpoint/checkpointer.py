@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from trainer.checkpoint import layout, signing
+from trainer.checkpoint import fence, layout, signing
 from trainer.checkpoint.staging import StagingBuffers, StagingWriter
 from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint, trust_refusals
 from trainer.checkpoint.upload import Uploader
@@ -153,6 +153,7 @@ class Checkpointer:
         self.uploader = uploader if rank == 0 else None
         if self.uploader is not None:
             self.uploader.use_trust(lambda: store.trust)
+            self.uploader.fence = store.fence
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -265,13 +266,21 @@ class Checkpointer:
             expected = self._expected_files(p.future.result())
             save_s = time.perf_counter() - p.started
             trust = self.store.trust
+            token = self.store.fence  # the fencing token readers check
             manifest = layout.build_manifest(
                 p.url, expected, fs=primary.fs, trust=trust,
                 step=p.step, tokens=p.tokens, state_format=STATE_FORMAT,
                 world_size=self.world_size, wall_time_s=round(save_s, 4),
                 blocking_s=round(p.blocking_s, 4), state=self.meta.get("state_layout", {}),
+                **({"generation": token.generation, "run": token.run}
+                   if token.generation is not None and token.run is not None else {}),
                 **{k: v for k, v in self.meta.items() if k != "state_layout"})
+            fence.check_claim(primary.fs, primary.root, token)
             layout.write_manifest(p.url, manifest, primary.fs)
+        except fence.Fenced as exc:  # a newer generation owns the root: never commit here
+            self._fenced(p, exc)
+            done.set_result(None)
+            return
         except SaveErrors as exc:  # noqa: BLE001 - the save failed: report, keep the old ones
             self._failed(p, exc)
             done.set_result(None)
@@ -306,6 +315,16 @@ class Checkpointer:
         self.log(f"checkpoint step {p.step} FAILED: {reason}; the previous checkpoint "
                  f"(step {previous}) stays the restore point "
                  f"({self.failures_in_a_row}/{self.cfg.max_save_failures} failures in a row)")
+
+    def _fenced(self, p: _Pending, exc: fence.Fenced) -> None:
+        """A deposed generation's save: its files go, nothing is committed, no failure is
+        counted (the worker is about to be stopped by its agent's lease anyway)."""
+        try:
+            layout.remove(p.url, self.store.primary.fs)
+        except Exception:  # noqa: BLE001 - the files are never read without a manifest
+            pass
+        self.report("checkpoint_fenced", step=p.step, path=p.url, error=str(exc)[:500])
+        self.log(f"checkpoint step {p.step} NOT committed: {exc}")
 
     def _prune_primary(self, step: int) -> None:
         """Retention after a commit: only checkpoints that verify (sizes, containment, the
@@ -457,6 +476,7 @@ class Checkpointer:
                         signature=refusal.signature if refusal is not None else None)
 
         found = self.store.select(max_step, checksums=True, on_skip=skipped, log=self.log)
+        self._claim(found)
         if found is not None and found.fetched_from is not None:
             self.report("checkpoint_fetched", step=found.step, source=found.fetched_from,
                         path=found.url)
@@ -473,6 +493,22 @@ class Checkpointer:
                     f"{signing.KEY_ENV}), accept unsigned ones with checkpoint.trust_unsigned, "
                     f"or move them away to start afresh")
         return found
+
+    def _claim(self, found: Choice | None) -> None:
+        """Rank 0 of a new generation claims every tier's job root (``fence.json``), so a
+        deposed generation's rank 0 and uploader refuse to commit there from now on."""
+        token = self.store.fence
+        if token.generation is None or token.run is None:
+            return
+        for tier in self.store.tiers:
+            try:
+                if not fence.claim(tier.fs, tier.root, token,
+                                   found.step if found is not None else None):
+                    self.log(f"{tier.root} is claimed by a generation newer than "
+                             f"{token.generation}")
+            except Exception as exc:  # noqa: BLE001 - readers still check the lineage
+                self.log(f"could not claim {tier.root} for generation {token.generation}: "
+                         f"{exc}")
 
     def load(self, state: dict[str, Any], found: Choice | None) -> dict[str, Any] | None:
         """Load the chosen checkpoint into ``state``; returns its manifest (None: nothing

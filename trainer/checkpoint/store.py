@@ -32,6 +32,7 @@ from typing import Any
 import fsspec
 
 from trainer.checkpoint import layout, signing
+from trainer.checkpoint.fence import Fence
 from trainer.checkpoint.retry import no_retry
 
 LOCAL, REMOTE = "local", "remote"
@@ -120,11 +121,14 @@ class CheckpointStore:
 
     def __init__(self, primary: Tier, remote: Tier | None = None,
                  retry: Callable[[Callable[[], Any]], Any] = no_retry,
-                 trust: signing.Trust | Callable[[], signing.Trust] | None = None) -> None:
+                 trust: signing.Trust | Callable[[], signing.Trust] | None = None,
+                 fence: Fence | None = None) -> None:
         self.primary = primary
         self.remote = remote
         self.retry = retry  # wraps each remote request (transient errors retried)
         self._trust = trust
+        # The reader's generation and lineage: a deposed generation's checkpoint is refused.
+        self.fence = fence or Fence()
         self.refused: list[Refusal] = []  # what the last ``select`` passed over
 
     @property
@@ -180,9 +184,10 @@ class CheckpointStore:
                 else:
                     result = layout.verify(info.url, checksums=checksums, fs=tier.fs,
                                            trust=self.trust)
+                    fenced = fenced_problems(self.fence, result.manifest)
                     choice = Choice(step, tier.name, info.url, result.manifest) \
-                        if result.ok and result.manifest is not None else None
-                    problems, outcome, manifest = result.problems, result.signature, \
+                        if result.ok and result.manifest is not None and not fenced else None
+                    problems, outcome, manifest = fenced + result.problems, result.signature, \
                         result.manifest
                 if choice is not None:
                     return choice
@@ -232,6 +237,7 @@ class CheckpointStore:
         outcome, denied = layout.authenticate(manifest, self.trust)
         if denied:
             problems.insert(0, denied)
+        problems[:0] = fenced_problems(self.fence, manifest if not denied else None)
         if problems:
             return None, problems, outcome, manifest
         t0 = time.perf_counter()
@@ -314,6 +320,14 @@ def uncommit(step_url: str, fs: fsspec.AbstractFileSystem | None = None) -> bool
     return True
 
 
+def fenced_problems(fence: Fence, manifest: dict[str, Any] | None) -> list[str]:
+    """``[why]`` when ``fence`` refuses the checkpoint of ``manifest`` (one written by a
+    deposed generation, ``trainer.checkpoint.fence``), else ``[]``. Only a manifest whose
+    signature verified carries a generation worth reading."""
+    refusal = fence.refusal(manifest)
+    return [refusal] if refusal else []
+
+
 @dataclass(frozen=True)
 class Row:
     """One checkpoint in one tier, as ``orchestrator checkpoints list`` shows it."""
@@ -393,16 +407,18 @@ def agent_signer(env: Any) -> signing.Signer | None:
 
 def open_store(cfg: Any, job: str, root: str,
                retry: Callable[[Callable[[], Any]], Any] = no_retry,
-               trust: signing.Trust | None = None) -> CheckpointStore:
+               trust: signing.Trust | None = None, fence: Fence | None = None,
+               ) -> CheckpointStore:
     """The tiers of ``job`` from a ``CheckpointConfig``: ``root`` (the checkpoint root the
     supervisor hands out) is the only tier, or the remote one when ``cfg.local_url`` is set.
-    ``trust`` defaults to the job's key, read on first use (``default_trust``)."""
+    ``trust`` defaults to the job's key, read on first use (``default_trust``); ``fence``
+    (the generation and lineage of the reader) refuses a deposed generation's checkpoints."""
     main = layout.job_url(root, job)
     key = trust if trust is not None else default_trust(cfg, root)
     if cfg.local_url:
         return CheckpointStore(Tier.at(layout.job_url(cfg.local_url, job), LOCAL),
-                               Tier.at(main, REMOTE), retry, key)
-    return CheckpointStore(Tier.at(main), None, retry, key)
+                               Tier.at(main, REMOTE), retry, key, fence)
+    return CheckpointStore(Tier.at(main), None, retry, key, fence)
 
 
 def resolve(url: str) -> tuple[str, int | None]:
