@@ -69,6 +69,10 @@ class ChaosPlan(_Plan):
     slow_first_step_s: _Seconds = 0.0
     # rank -> seconds added to each of its steps (a throttled GPU, a noisy neighbour).
     slow_ranks: dict[_Rank, _Seconds] = Field(default_factory=dict, max_length=100_000)
+    # n -> seconds added to each generation's n-th step on every rank (a recompile,
+    # page-locking, a collection: one slow step that does not recur).
+    slow_steps: dict[Annotated[int, Field(ge=1)], _Seconds] = Field(default_factory=dict,
+                                                                     max_length=10_000)
 
     @classmethod
     def parse(cls, raw: str) -> ChaosPlan:
@@ -122,7 +126,7 @@ class ChaosDriver:
                          slow_checkpoint_s=c.slow_checkpoint_s,
                          slow_final_commit_s=c.slow_final_commit_s,
                          slow_first_step_s=c.slow_first_step_s,
-                         slow_ranks=dict(c.slow_ranks))
+                         slow_ranks=dict(c.slow_ranks), slow_steps=dict(c.slow_steps))
 
     def mark_fired(self, key: str) -> None:
         self.fired.add(key)
@@ -211,13 +215,15 @@ def wrap_loader(loader: Any, plan: ChaosPlan) -> Any:
 
 class _SlowStepper(_Proxy):
     def __init__(self, inner: Any, first_s: float, every_s: float,
-                 sleep: Callable[[float], None]) -> None:
+                 sleep: Callable[[float], None], nth: dict[int, float] | None = None) -> None:
         super().__init__(inner)
         self._first_s, self._every_s, self._sleep = first_s, every_s, sleep
+        self._nth, self._n = dict(nth or {}), 0
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         out = self._inner.step(*args, **kwargs)
-        delay = self._every_s + self._first_s
+        self._n += 1
+        delay = self._every_s + self._first_s + self._nth.get(self._n, 0.0)
         self._first_s = 0.0
         if delay:
             self._sleep(delay)
@@ -226,12 +232,13 @@ class _SlowStepper(_Proxy):
 
 def wrap_stepper(stepper: Any, plan: ChaosPlan, rank: int,
                  sleep: Callable[[float], None] = time.sleep) -> Any:
-    """A generation's first step takes ``slow_first_step_s`` longer; every step of a rank in
-    ``slow_ranks`` takes its seconds longer (inside the step: its step time shows it)."""
+    """A generation's first step takes ``slow_first_step_s`` longer, its n-th step
+    ``slow_steps[n]`` longer; every step of a rank in ``slow_ranks`` takes its seconds longer
+    (inside the step: its step time shows it)."""
     every = plan.slow_ranks.get(rank, 0.0)
-    if not plan.slow_first_step_s and not every:
+    if not plan.slow_first_step_s and not every and not plan.slow_steps:
         return stepper
-    return _SlowStepper(stepper, plan.slow_first_step_s, every, sleep)
+    return _SlowStepper(stepper, plan.slow_first_step_s, every, sleep, plan.slow_steps)
 
 
 class _SlowCheckpointer(_Proxy):

@@ -10,12 +10,13 @@ works the same for a supervisor in this process, a daemon, or a finished run.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from orchestrator import readback
 
 # Tokens/s and the ETA are measured over this many recent step records (about 10-30 s of
 # the CPU demo): long enough to smooth a checkpoint stall, short enough to follow a restart.
@@ -34,8 +35,9 @@ class TailReader:
     Lines that are not JSON objects are counted in ``skipped`` and never returned.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, bounds: readback.Bounds = readback.JOURNAL) -> None:
         self.path = path
+        self.bounds = bounds
         self.offset = 0
         self.skipped = 0
         self._partial = b""
@@ -60,7 +62,7 @@ class TailReader:
             self.skipped += 1
         out = []
         for raw in lines:
-            obj = parse_line(raw)
+            obj = parse_line(raw, self.bounds)
             if obj is None:
                 if raw.strip():
                     self.skipped += 1
@@ -69,19 +71,15 @@ class TailReader:
         return out
 
 
-def parse_line(raw: bytes) -> dict[str, Any] | None:
-    """One JSON object from a line, or None (blank, torn, non-standard numbers, not a dict)."""
+def parse_line(raw: bytes, bounds: readback.Bounds = readback.JOURNAL,
+               ) -> dict[str, Any] | None:
+    """One JSON object from a line, or None (blank, torn, past the bounds, not a dict)."""
     if not raw.strip() or len(raw) > _MAX_LINE:
         return None
     try:
-        obj = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
+        return readback.loads_object(raw, bounds)
+    except readback.Unreadable:
         return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
 
 
 def _num(value: Any) -> float | None:
@@ -134,7 +132,7 @@ class JobFollower:
 
     def __post_init__(self) -> None:
         self._journal = TailReader(self.root / "events.jsonl")
-        self._steps = TailReader(self.root / "steps.jsonl")
+        self._steps = TailReader(self.root / "steps.jsonl", readback.STEPS)
 
     @property
     def skipped_lines(self) -> int:
@@ -167,22 +165,31 @@ class JobFollower:
             p.state = e["to"][:40]
         elif kind == "generation_launched":
             p.generation = _int(e.get("generation")) or p.generation
-            if p.generation > 1:
+            if p.generation > 1 and e.get("after_cause") not in (None, "operator"):
                 p.restarts += 1
-            self._recent.clear()  # a new generation's rate starts afresh
+            # The new generation starts from its checkpoint: the old one's step, loss and
+            # rate are not its own (they show again once its first step is recorded).
+            p.step = _int(e.get("resume_step")) or 0
+            p.loss = p.tokens_per_s = p.steps_per_s = None
+            self._recent.clear()
         elif kind == "checkpoint_committed":
             step = _int(e.get("step"))
             if step is not None and step >= (p.last_checkpoint_step or 0):
                 p.last_checkpoint_step, p.last_checkpoint_ts = step, _num(e.get("ts"))
-        elif kind == "progress":
+        elif kind == "progress" and not self._stale(e):
             step = _int(e.get("step"))
             if step is not None and step > p.step:
                 p.step = step
 
+    def _stale(self, e: dict[str, Any]) -> bool:
+        """From a generation older than the newest launched (read after its launch)."""
+        gen = _int(e.get("generation"))
+        return gen is not None and gen < self.progress.generation
+
     def _apply_record(self, rec: dict[str, Any]) -> None:
         p = self.progress
         step, ts, tokens = _int(rec.get("step")), _num(rec.get("ts")), _int(rec.get("tokens"))
-        if step is None:
+        if step is None or self._stale(rec):
             return
         if step < p.step:  # a restart or rollback went back: the rate restarts with it
             self._recent.clear()
@@ -280,7 +287,8 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
     """A short human line for a journal event and its level ("info", "warning", "error"),
     or None for the events only ``--verbose`` (or nobody) needs on the console."""
     kind = e.get("kind")
-    text = lambda key: str(e.get(key, ""))[:300]
+    # A field a line leaves out (or null) reads "?": never Python's None.
+    text = lambda key: "?" if e.get(key) is None else str(e[key])[:300]
     if kind == "transition":
         to, cause, reason = text("to"), e.get("cause"), e.get("reason")
         tail = "".join([f" ({cause})" if cause and cause != "completed" else "",
@@ -291,15 +299,20 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
         where = " ".join(x for x in (f"rank {e['rank']}" if _int(e.get("rank")) is not None
                                      else "", f"on {text('node_id')}" if e.get("node_id")
                                      else "") if x)
-        return "error", (f"generation {text('generation')} failed: {text('cause')}"
+        gen = _int(e.get("generation"))
+        what = f"generation {gen} failed" if gen is not None else "the job cannot start"
+        return "error", (f"{what}: {text('cause')}"
                          f"{' ' + where if where else ''}: {text('message')}")
     if kind == "generation_launched":
         gen = _int(e.get("generation")) or 0
         resume = _int(e.get("resume_step"))
         start = f"from checkpoint {resume}" if resume else "from scratch"
-        if gen > 1:
+        after = e.get("after_cause")
+        if gen > 1 and after == "operator":
+            return "info", f"continued: generation {gen} launched {start} after the stop"
+        if gen > 1 and isinstance(after, str) and after:
             return "warning", (f"restart: generation {gen} launched {start} after "
-                               f"{text('after_cause') or 'a stop'}")
+                               f"{after[:40]}")
         return "info", f"generation {gen} launched {start}"
     if kind == "stability":
         ev = text("event")
@@ -317,6 +330,8 @@ def describe(e: dict[str, Any], *, verbose: bool = False) -> tuple[str, str] | N
     if kind == "node_state" and e.get("state") in ("lost", "excluded", "failed"):
         return "warning", (f"node {text('node_id')} {text('state')}"
                            + (f": {text('reason')}" if e.get("reason") else ""))
+    if kind == "resume_mismatch":
+        return "warning", f"generation {text('generation')}: {text('message')}"
     if kind in ("checkpoint_failed", "checkpoint_skipped"):
         why = (text("reason") or text("error")).strip().splitlines()
         why_short = why[0][:_SHORT] + ("..." if len(why[0]) > _SHORT or len(why) > 1 else "") \

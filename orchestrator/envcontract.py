@@ -27,13 +27,18 @@ ORCH_COLLECTIVE_TIMEOUT_S      supervisor      collective timeout, just above th
 ORCH_CHAOS                     supervisor      fault injection (JSON object)
 ORCH_IN_JOB_WAIT_S             supervisor      in-job recovery on: how long a rank whose
                                                collective failed waits for the order
+ORCH_LINEAGE                   supervisor      ``{"run": id, "lineage": [[generation, resume
+                                               step], ...]}``: the fencing token's history
 ORCH_HEALTH_NET                agent           the network check's spec (JSON object)
 ORCH_HEALTH_OUT                agent           where the network check writes its report
 ORCH_WARM_HANDOFF_TS           warm spare      wall time a spare was handed its rank
 ORCH_REPLACEMENT               agent           '1': the rank replaces a failed one in place
 ORCH_HOOK_PID                  preload hook    pid of the rank the hook serves (children skip)
-ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled)
+ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled;
+                                               agents only: ranks never see it)
 ORCH_CHECKPOINT_KEY_FILE       supervisor      path of the checkpoint signing key file
+                                               (agents only: ranks never see it)
+ORCH_NODE_COUNT                deploy          pods of the agents' Indexed Job (nodes + spares)
 =============================  ==============  ==================================================
 """
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +70,7 @@ RESUME_MAX_STEP = "ORCH_RESUME_MAX_STEP"
 COLLECTIVE_TIMEOUT_S = "ORCH_COLLECTIVE_TIMEOUT_S"
 CHAOS = "ORCH_CHAOS"
 IN_JOB_WAIT_S = "ORCH_IN_JOB_WAIT_S"
+LINEAGE = "ORCH_LINEAGE"
 HEALTH_NET = "ORCH_HEALTH_NET"
 HEALTH_OUT = "ORCH_HEALTH_OUT"
 WARM_HANDOFF_TS = "ORCH_WARM_HANDOFF_TS"
@@ -72,11 +79,13 @@ HOOK_PID = "ORCH_HOOK_PID"
 MEMORY_DIR = "ORCH_MEMORY_DIR"  # the node's memory-tier directory (the agent's to own)
 CHECKPOINT_KEY = "ORCH_CHECKPOINT_KEY"  # read by trainer.checkpoint.signing
 CHECKPOINT_KEY_FILE = "ORCH_CHECKPOINT_KEY_FILE"  # read by trainer.checkpoint.signing
+# Written into the agent pods by `orchestrator deploy kubernetes`; read by orchestrator.allocation.
+NODE_COUNT = "ORCH_NODE_COUNT"
 
 ALL = (TOKEN, AGENT_SOCKET, CONFIG, NODE_ID, HEARTBEAT_INTERVAL, RUN_DIR, JOB, GENERATION,
        CHECKPOINT_ROOT, SKIP_WINDOWS, LR_SCALE, RESUME_MAX_STEP, COLLECTIVE_TIMEOUT_S, CHAOS,
        HEALTH_NET, HEALTH_OUT, WARM_HANDOFF_TS, HOOK_PID, CHECKPOINT_KEY,
-       CHECKPOINT_KEY_FILE)
+       CHECKPOINT_KEY_FILE, NODE_COUNT, LINEAGE)
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 _MAX_LEN = 1 << 20  # a JSON value past 1 MiB in the environment is a bug, not a config
@@ -174,6 +183,33 @@ def get_windows(env: Mapping[str, str], name: str = SKIP_WINDOWS) -> list[tuple[
     return out
 
 
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def get_lineage(env: Mapping[str, str], name: str = LINEAGE,
+                ) -> tuple[str | None, list[tuple[int, int]]]:
+    """``(run id, [(generation, resume step or -1), ...])``; ``(None, [])`` when unset."""
+    expected = ('{"run": id, "lineage": [[generation >= 0, step >= -1], ...]} with an id of '
+                "1-64 of A-Z a-z 0-9 _ . -")
+    if env.get(name, "").strip() == "":
+        return None, []
+    value = _json(env, name, "{}", expected)
+    ok = isinstance(value, dict) and set(value) == {"run", "lineage"} \
+        and isinstance(value["run"], str) and _RUN_ID.match(value["run"]) \
+        and isinstance(value["lineage"], list)
+    pairs: list[tuple[int, int]] = []
+    for item in value["lineage"] if ok else []:
+        if not (isinstance(item, list) and len(item) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+                and item[0] >= 0 and item[1] >= -1):
+            ok = False
+            break
+        pairs.append((item[0], item[1]))
+    if not ok:
+        raise EnvError(name, env.get(name, ""), expected)
+    return value["run"], pairs
+
+
 # -- the supervisor's part: what one generation's ranks are told ---------------------------
 @dataclass(frozen=True)
 class GenerationEnv:
@@ -190,6 +226,8 @@ class GenerationEnv:
     # In-job recovery (``restart.in_job``): set, a rank whose collective fails waits this
     # long for the agent's order to rejoin in place; None: it exits (a full restart).
     in_job_wait_s: float | None = None
+    run_id: str | None = None  # the fencing token's run (``trainer.checkpoint.fence``)
+    lineage: list[tuple[int, int]] = field(default_factory=list)
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -206,6 +244,9 @@ class GenerationEnv:
             env[COLLECTIVE_TIMEOUT_S] = str(round(self.collective_timeout_s, 1))
         if self.in_job_wait_s is not None:
             env[IN_JOB_WAIT_S] = str(round(self.in_job_wait_s, 1))
+        if self.run_id is not None:
+            env[LINEAGE] = json.dumps({"run": self.run_id,
+                                       "lineage": [list(p) for p in self.lineage]})
         return env
 
     @classmethod
@@ -213,6 +254,7 @@ class GenerationEnv:
         lr = get_float(env, LR_SCALE, 1.0)
         if lr is not None and lr < 0:
             raise EnvError(LR_SCALE, env[LR_SCALE], "a finite number >= 0")
+        run_id, lineage = get_lineage(env)
         return cls(
             job=get_str(env, JOB, "job") or "job",
             generation=get_int(env, GENERATION, 0, minimum=0) or 0,
@@ -223,6 +265,7 @@ class GenerationEnv:
             collective_timeout_s=get_float(env, COLLECTIVE_TIMEOUT_S, None, positive=True),
             chaos=get_chaos(env),
             in_job_wait_s=get_float(env, IN_JOB_WAIT_S, None, positive=True),
+            run_id=run_id, lineage=lineage,
         )
 
 
@@ -270,9 +313,14 @@ def memory_env(path: str) -> dict[str, str]:
     return {MEMORY_DIR: path}
 
 
+# What no process below the agent may see: the control-API token, and the checkpoint
+# signing key and where it lies (the agent signs for its ranks, ``agent.keyservice``).
+SECRETS = frozenset({TOKEN, CHECKPOINT_KEY, CHECKPOINT_KEY_FILE})
+
+
 def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` minus the control-API token: what any process below the agent may see."""
-    return {k: v for k, v in env.items() if k != TOKEN}
+    """``env`` minus ``SECRETS``: what any process below the agent may see."""
+    return {k: v for k, v in env.items() if k not in SECRETS}
 
 
 def token_env(token: str) -> dict[str, str]:

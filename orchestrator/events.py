@@ -121,6 +121,7 @@ class SupervisorStarted(Event):
     url: Text = ""
     resumed: bool = False
     gap_s: Finite | None = None
+    epoch: Count | None = None  # its leader epoch, with a standby (``supervisor.leader``)
 
 
 class Transition(Event):
@@ -393,8 +394,8 @@ class WorkerNote(_OpenEvent):
 
     kind: Literal["resumed", "checkpoint_failed", "checkpoint_skipped", "checkpoint_fetched",
                   "checkpoint_upload_retry", "checkpoint_upload_failed",
-                  "checkpoint_upload_skipped", "stability_skip", "startup",
-                  "params_digest", "recovered", "recovery_failed", "worker_event"]
+                  "checkpoint_upload_skipped", "checkpoint_fenced", "stability_skip",
+                  "startup", "params_digest", "recovered", "recovery_failed", "worker_event"]
     generation: Gen | None = None
     rank: Rank | None = None
     node_id: Name | None = None
@@ -501,6 +502,15 @@ class MessageRejected(Event):
     count: Count = 1
 
 
+class ResumeMismatch(Event):
+    """The ranks of a generation resumed from different optimizer steps (a warning)."""
+
+    kind: Literal["resume_mismatch"] = "resume_mismatch"
+    generation: Gen | None = None
+    steps: dict[Name, Step] = Field(default_factory=dict, max_length=4096)  # rank -> step
+    message: Text = ""
+
+
 class JournalSkipped(Event):
     """Lines of the journal a reader could not parse (reported once per reader)."""
 
@@ -515,7 +525,7 @@ AnyEvent = Annotated[Union[  # noqa: UP007 (a discriminated union needs Union he
     RankExited, RanksExited, Failure, CheckpointCommitted, CheckpointPruned, FirstStep,
     Progress, Calibration, Chaos, StabilityFired, Rollback, HealthRound, HealthResult, WorkerNote,
     MessageRejected, JournalSkipped, ProfileRequested, ProfileWritten, ProfileFailed,
-    Straggler, RestoreTier, MemoryTier], Field(discriminator="kind")]
+    Straggler, RestoreTier, MemoryTier, ResumeMismatch], Field(discriminator="kind")]
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
 _MODELS: dict[str, type[Event]] = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator import events as ev
 from orchestrator.events import Envelope, as_envelope
-from orchestrator.state import JobState
+from orchestrator.state import Cause, JobState
 
 
 def _newest(*steps: Any) -> int | None:
@@ -70,6 +70,8 @@ class JobView:
     stability_counts: dict[str, int] = field(default_factory=dict)
     divergence: dict[str, Any] | None = None  # a rollback asked for and not yet carried out
     last_failure_reason: str | None = None
+    ended_by: Cause | None = None  # what ended the newest generation (a failure, a stop)
+    resume_mismatch: dict[str, Any] | None = None  # ranks resumed from different steps
     health: list[dict[str, Any]] = field(default_factory=list)
     first_steps: dict[int, int] = field(default_factory=dict)
     recovery_delay_s: float | None = None  # the backoff of the newest RECOVERING move
@@ -125,6 +127,8 @@ class JobView:
             self.segments += 1  # the operator continued a stopped job
             self.ended_ts = None
         self.state = e.to
+        if e.to is JobState.STOPPED:
+            self.ended_by = Cause.OPERATOR
         if e.to is JobState.RECOVERING:
             self.recovery_delay_s = e.delay_s
         if self.state.terminal:
@@ -149,13 +153,19 @@ class JobView:
         self.generation = e.generation
         self.stragglers = {}  # a new generation is judged afresh
         self.launches.append({**e.fields(), "ts": ts})
-        if self.generation > 1:
+        # A generation after an operator's stop continues the job (up --resume): no restart,
+        # and none of the restart budget spent.
+        if self.generation > 1 and e.after_cause not in (None, Cause.OPERATOR):
             self.restarts.append({"generation": self.generation, "ts": ts,
                                   "cause": e.after_cause.value if e.after_cause else None,
                                   "resume_step": e.resume_step})
 
+    def _on_resume_mismatch(self, e: ev.ResumeMismatch, ts: float) -> None:
+        self.resume_mismatch = {"generation": e.generation, "message": e.message, "ts": ts}
+
     def _on_failure(self, e: ev.Failure, ts: float) -> None:
         self.failures.append({**e.fields(), "ts": ts})
+        self.ended_by = e.cause
         node = self.nodes.get(e.node_id or "")
         if node is not None:
             node.history.append({"ts": ts, "event": "failure",
@@ -254,6 +264,25 @@ class JobView:
             entry["tier"] = "+".join(tiers)
             entry["path"] = entry["paths"].get("local", entry["paths"][tiers[0]])
         return [by_step[s] for s in sorted(by_step)]
+
+    @property
+    def run_id(self) -> str:
+        """This run's id, the same from every reader of its journal: the fencing token's
+        scope (generations are numbered per run; ``trainer.checkpoint.fence``)."""
+        import hashlib
+
+        seed = f"{self.run_dir}|{self.created_ts!r}|{self.job}".encode()
+        return "run-" + hashlib.sha256(seed).hexdigest()[:16]
+
+    def lineage(self, launching: int | None = None) -> list[tuple[int, int]]:
+        """Every launched generation with the step it resumed from (-1: none), plus
+        ``launching`` (about to be launched, from the newest checkpoint) when given."""
+        out = [(int(launch["generation"]), -1 if launch.get("resume_step") is None
+                else int(launch["resume_step"])) for launch in self.launches]
+        if launching is not None:
+            step = self.newest_checkpoint_step
+            out.append((launching, -1 if step is None else step))
+        return out
 
     @property
     def newest_checkpoint_step(self) -> int | None:

@@ -24,11 +24,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import readback
 from orchestrator.events import Envelope, Event, parse_event, to_line_dict
+from orchestrator.readback import SkipReport
 
 JOURNAL_NAME = "events.jsonl"
 
@@ -54,7 +55,7 @@ class Journal:
         self._closed = False
         self._error: BaseException | None = None
         self.batches = 0  # fsync rounds (the scale bench reads it)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._repair_torn_tail()
         self._writer = threading.Thread(target=self._write_loop, name="journal-writer",
                                         daemon=True)
@@ -150,42 +151,17 @@ class Journal:
         self.close()
 
 
-@dataclass
-class SkipReport:
-    """What a reader passed over: how many lines and the first few reasons."""
-
-    lines: int = 0
-    reasons: list[str] = field(default_factory=list)
-
-    def add(self, where: int, why: str) -> None:
-        self.lines += 1
-        if len(self.reasons) < 20:
-            self.reasons.append(f"line {where}: {why}")
-
-
 def read_journal(path: str | Path, skipped: SkipReport | None = None) -> Iterator[Envelope]:
-    """Every event of a journal as its type, in order; lines that do not parse are counted
-    in ``skipped`` (when given) and passed over, never fatal."""
-    p = Path(path)
-    if not p.exists():
-        return
-    with open(p, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                raw = json.loads(line, parse_constant=_reject_constant)
-            except (json.JSONDecodeError, ValueError, RecursionError):
-                if skipped is not None:
-                    skipped.add(number, "not JSON (a torn or garbled line)")
-                continue
-            envelope, why = parse_event(raw)
-            if envelope is None:
-                if skipped is not None:
-                    skipped.add(number, why or "?")
-                continue
-            yield envelope
+    """Every event of a journal as its type, in order; lines that do not parse (torn,
+    garbled, past the reader's bounds, of no event model) are counted in ``skipped`` (when
+    given) and passed over, never fatal."""
+    for raw, _, number in readback.iter_lines(path, readback.JOURNAL, skipped):
+        envelope, why = parse_event(raw)
+        if envelope is None:
+            if skipped is not None:
+                skipped.add(number, why or "?")
+            continue
+        yield envelope
 
 
 def read_events(path: str | Path, skipped: SkipReport | None = None) -> Iterator[dict[str, Any]]:
@@ -196,24 +172,11 @@ def read_events(path: str | Path, skipped: SkipReport | None = None) -> Iterator
 
 
 def _last_seq(path: Path) -> int:
-    """The highest ``seq`` written so far (0 for a new journal). Garbled lines count by
-    their position so numbering never goes back."""
-    if not path.exists():
-        return 0
+    """The highest ``seq`` written so far (0 for a new journal); unreadable lines are
+    passed over."""
     last = 0
-    with open(path, "rb") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                seq = json.loads(line).get("seq")
-            except (json.JSONDecodeError, ValueError, AttributeError, RecursionError):
-                continue
-            if isinstance(seq, int) and not isinstance(seq, bool) and seq > last:
-                last = seq
+    for raw, _, _ in readback.iter_lines(path, readback.JOURNAL):
+        seq = raw.get("seq")
+        if isinstance(seq, int) and not isinstance(seq, bool) and seq > last:
+            last = seq
     return last
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")

@@ -23,14 +23,11 @@ from pydantic import (
     Field,
     JsonValue,
     StringConstraints,
-    TypeAdapter,
-    ValidationError,
     ValidationInfo,
     model_validator,
-    with_config,
 )
-from typing_extensions import NotRequired, TypedDict
 
+from orchestrator.steprecord import Records, StepRecord, keep_valid_records
 from orchestrator.worker_events import (
     FiniteFloat,
     ShortStr,
@@ -119,31 +116,6 @@ class RankInfo(Inbound):
     recoverable: bool = False
 
 
-@with_config(ConfigDict(strict=True, allow_inf_nan=True))
-class StepRecord(TypedDict, extra_items=float | int | bool | None | ShortStr):  # type: ignore[call-arg]
-    """One of rank 0's step records (a plain dict after parsing: the progress tracker and
-    ``steps.jsonl`` take it as is). Metric values may be NaN or infinite: a non-finite loss
-    is exactly what the stability detectors look for."""
-
-    step: Step
-    ts: NotRequired[Timestamp]
-
-
-_STEP_RECORD: TypeAdapter[StepRecord] = TypeAdapter(StepRecord)
-
-
-def keep_valid_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """The step records a heartbeat may carry, and how many were dropped: one bad record (a
-    user's metric that is a list, a 10 kB string) must not make the whole beat unsendable."""
-    kept = []
-    for rec in records:
-        try:
-            kept.append(_STEP_RECORD.validate_python(rec))
-        except ValidationError:
-            continue
-    return kept, len(records) - len(kept)
-
-
 class RegisterRequest(Inbound):
     node_id: NodeId
     host: HostName
@@ -164,6 +136,7 @@ class RegisterResponse(Message):
     # Where to send heartbeats instead of the API's port (``api.heartbeat_process``): the
     # same host the agent reached the supervisor at, this port; None: the API's own.
     heartbeat_port: Port | None = None
+    epoch: int = 0  # the answering supervisor's leader epoch (``Assignment.epoch``)
 
 
 class Heartbeat(Inbound):
@@ -171,7 +144,8 @@ class Heartbeat(Inbound):
     generation: Generation | None = None
     free_port: Port | None = None
     ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
-    records: list[StepRecord] = Field(default_factory=list, max_length=100_000)
+    # Rank 0's step records (``orchestrator.steprecord``), at most MAX_RECORDS_PER_BEAT.
+    records: Records = Field(default_factory=list)
 
 
 class RankExit(Inbound):
@@ -323,6 +297,9 @@ class Assignment(Message):
     """What one node should be doing now. ``version`` grows with every change."""
 
     version: int = 0
+    # The leader epoch of the supervisor that gave it (``supervisor.leader``; 0: no
+    # election): an agent ignores an order from an epoch older than one it has seen.
+    epoch: int = 0
     action: Literal["idle", "run", "stop", "exit", "health"] = "idle"
     generation: int | None = None
     node_rank: int | None = None

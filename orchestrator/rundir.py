@@ -27,6 +27,17 @@ from pathlib import Path
 from typing import Any
 
 
+# A job's files are its operator's: the journal, the step records, the config, the logs and
+# (by default) the checkpoints. Every process of the job creates them private (0700
+# directories, 0600 files); the checkpoints' own mode is ``checkpoint.mode``.
+PRIVATE_UMASK = 0o077
+
+
+def make_private() -> None:
+    """This process (and what it starts) creates files only its user may read."""
+    os.umask(PRIVATE_UMASK)
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
@@ -40,7 +51,7 @@ class RunDir:
         for n in range(1000):
             path = base / (f"{job}-{stamp}" + (f"-{n}" if n else ""))
             try:
-                path.mkdir()
+                path.mkdir(mode=0o700)
                 break
             except FileExistsError:
                 continue
@@ -61,6 +72,15 @@ class RunDir:
         if not (root / "events.jsonl").exists():
             raise FileNotFoundError(f"{path} is not a run directory (no events.jsonl)")
         return cls(root)
+
+    def narrow(self) -> None:
+        """Close the run directory to other users (one an older version left 0755): every
+        file in it is then out of their reach, whatever its own mode."""
+        try:
+            if self.root.stat().st_mode & 0o077:
+                os.chmod(self.root, 0o700)
+        except OSError:
+            pass  # not ours to change (another user's run): reading it goes on
 
     # -- paths -------------------------------------------------------------------------
     @property
@@ -154,7 +174,9 @@ class RunDir:
         os.replace(tmp, path)
 
     def read_supervisor_info(self) -> dict[str, Any] | None:
+        from orchestrator import readback
+
         try:
-            return json.loads(self.supervisor_info.read_text())
-        except (OSError, json.JSONDecodeError):
+            return readback.read_object(self.supervisor_info, readback.SMALL)
+        except (OSError, readback.Unreadable):
             return None

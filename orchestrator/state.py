@@ -88,6 +88,7 @@ class Cause(str, enum.Enum):
     HEALTH_CHECK = "health_check"  # a node failed a health check
     DIVERGENCE = "divergence"  # stability asked for a rollback
     OPERATOR = "operator"  # asked to stop
+    CONFIG = "config"  # the config does not fit where the job runs (the allocation's size)
     COMPLETED = "completed"  # every rank finished
 
 

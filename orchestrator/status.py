@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ from orchestrator.books import Ledger, compute_books
 from orchestrator.jobview import JobView
 from orchestrator.journal import read_journal
 from orchestrator.rundir import RunDir
+from orchestrator.steprecord import parse_stored_line, read_steps
 
 
 def load_view(run: RunDir) -> JobView:
@@ -19,17 +19,10 @@ def load_view(run: RunDir) -> JobView:
 
 
 def read_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Every complete step record of ``steps.jsonl`` (garbled lines skipped)."""
-    if not path.exists():
-        return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict):
-                yield rec
+    """Every step record of ``steps.jsonl`` with its generation (``steprecord.read_steps``:
+    a line that is not a record is skipped)."""
+    for generation, rec, _ in read_steps(path, tail=False):
+        yield {**rec, "generation": generation}
 
 
 def load_books(run: RunDir, now: float | None = None) -> Ledger:
@@ -39,7 +32,7 @@ def load_books(run: RunDir, now: float | None = None) -> Ledger:
 
 
 def last_step_record(run: RunDir) -> dict[str, Any] | None:
-    """The last complete line of steps.jsonl (read from the end; the file can be large)."""
+    """The last complete record of steps.jsonl (read from the end; the file can be large)."""
     path: Path = run.steps
     if not path.exists():
         return None
@@ -49,10 +42,9 @@ def last_step_record(run: RunDir) -> dict[str, Any] | None:
         f.seek(max(0, size - 65536))
         lines = f.read().splitlines()
     for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue
+        parsed = parse_stored_line(line)
+        if parsed is not None:
+            return {**parsed[1], "generation": parsed[0]}
     return None
 
 
@@ -114,6 +106,7 @@ def build_status(view: JobView, run: RunDir, live_nodes: Any = None,
                                   for s in view.straggler_log[-10:]]},
         "memory_tier": view.memory_tier,
         "restore_tiers": view.restore_tiers,
+        "resume_mismatch": view.resume_mismatch,
     }
 
 

@@ -225,6 +225,13 @@ _MODELS: dict[str, type[EventData]] = {
     "recovery_failed": RecoveryFailed,
 }
 KNOWN_NAMES = frozenset(_MODELS)
+# Events only rank 0 sends (it commits checkpoints and speaks for the restore): the journal
+# folds them into the job's view (the resume step, the newest checkpoint), so another rank's
+# would be a forgery.
+RANK0_NAMES = frozenset({"checkpoint_committed", "checkpoint_failed", "checkpoint_pruned",
+                         "checkpoint_skipped", "checkpoint_fetched", "checkpoint_upload_retry",
+                         "checkpoint_upload_failed", "checkpoint_upload_skipped", "resumed",
+                         "restore_tier", "memory_tier", "startup"})
 # Keys a data mapping may have at most (a user event is a handful of figures).
 MAX_KEYS = 64
 

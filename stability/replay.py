@@ -49,6 +49,8 @@ def _parse(lines: Iterable[str], where: str) -> Iterator[StepRecord]:
             data = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}line {lineno}: invalid JSON: {exc.msg}") from None
+        except (ValueError, RecursionError) as exc:  # 5,000 digits; 100,000 nested [
+            raise ValueError(f"{where}line {lineno}: invalid JSON: {str(exc)[:100]}") from None
         try:
             record = StepRecord.from_dict(data)
         except ValueError as exc:

@@ -61,8 +61,20 @@ def _no_inherited_orchestrator_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(key)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the tests marked long (fault campaigns of minutes each, "
+                          "kept out of the default run for CI's time budget)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests run only where CUDA is (the lent H100); elsewhere they are skipped."""
+    """Tests marked ``long`` run with ``--long`` only; GPU tests run only where CUDA is (the
+    lent H100). Elsewhere they are skipped, with the reason."""
+    if not config.getoption("--long"):
+        skip_long = pytest.mark.skip(reason="a fault test of minutes: run it with --long")
+        for item in items:
+            if item.get_closest_marker("long"):
+                item.add_marker(skip_long)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch

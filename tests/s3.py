@@ -67,7 +67,9 @@ class FaultProxy:
                     return rule
         return None
 
-    def serve(self) -> tuple[http.server.ThreadingHTTPServer, threading.Thread]:
+    def serve(self, host: str = "127.0.0.1",
+              ) -> tuple[http.server.ThreadingHTTPServer, threading.Thread]:
+        """Serve on ``host`` (any free port), in a thread."""
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -126,7 +128,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server = http.server.ThreadingHTTPServer((host, 0), Handler)
         server.daemon_threads = True
         self.port = server.server_address[1]
         thread = threading.Thread(target=server.serve_forever, daemon=True)

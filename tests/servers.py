@@ -1,4 +1,4 @@
-"""Real servers started by tests: sshd (openssh-server) and a one-node Slurm with munge."""
+"""Real servers started by tests: sshd (openssh-server), a one-node Slurm with munge, etcd."""
 
 from __future__ import annotations
 
@@ -132,3 +132,26 @@ def slurm(workdir: Path) -> Iterator[dict[str, str]]:
             _stop_pidfile(workdir / pidfile)
         _stop_pidfile(munge / "pid")
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def etcd(workdir: Path) -> Iterator[str]:
+    """A one-member etcd (Debian's etcd-server) on 127.0.0.1; yields its client URL."""
+    _require("etcd")
+    workdir.mkdir(parents=True, exist_ok=True)
+    client, peer = free_port(), free_port()
+    url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    with open(workdir / "etcd.log", "ab") as log:
+        proc = subprocess.Popen(
+            ["etcd", "--name", "t", "--data-dir", str(workdir / "data"),
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"t={peer_url}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_port(client)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

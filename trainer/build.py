@@ -19,6 +19,7 @@ from orchestrator.worker import Worker, WorkerContext
 from trainer import restore
 from trainer.backends import Backend, backend_for
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.fence import Fence
 from trainer.checkpoint.retry import retrying
 from trainer.checkpoint.store import open_store
 from trainer.checkpoint.upload import Uploader
@@ -67,7 +68,9 @@ def build_checkpointer(settings: WorkerSettings, dctx: DistContext, worker: Work
 
     cfg = settings.checkpoint
     retry = retrying(cfg.upload_attempts, cfg.upload_backoff_s, cfg.upload_backoff_max_s)
-    store = open_store(cfg, settings.job, settings.checkpoint_root, retry)
+    ctx = worker.ctx  # its generation fences checkpoints (``trainer.checkpoint.fence``)
+    store = open_store(cfg, settings.job, settings.checkpoint_root, retry,
+                       fence=Fence(ctx.generation, tuple(ctx.lineage), ctx.run_id))
     uploader = None
     if store.remote is not None and dctx.rank == 0:
         uploader = Uploader(store.primary, store.remote,

@@ -125,8 +125,9 @@ class DataConfig(_Section):
             "globs, or null to require prepared shards."
         ),
     )
-    prepare_max_bytes: int = Field(
-        8 * 2**20, gt=0, description="Cap on the bytes of source text read when preparing."
+    prepare_max_bytes: int | None = Field(
+        None, gt=0, description="Cap on the bytes of source text read when preparing "
+        "(default: 8 MiB of the stdlib, every byte of a list of files)."
     )
     tokenizer: str = Field(
         "byte", description="'byte' (byte-level, no download) or a path to a HF tokenizer.json."
@@ -470,7 +471,12 @@ class CheckpointConfig(_Section):
             "commit here first and upload to url in the background. Null: one tier."
         ),
     )
+    mode: Literal["private", "group", "world"] = Field(
+        "private", description="Who may read the checkpoint files a rank writes: private "
+        "(directories 0700, files 0600, as the whole run directory), group (0750 / 0640: "
+        "a shared filesystem read by the group) or world (0755 / 0644).")
     interval_steps: int = Field(50, gt=0, description="Save every N steps (and the last step).")
+
     keep_last: int = Field(
         3, gt=0, description="Committed checkpoints kept in the tier saves land in (local_url "
                              "when set, else url); older ones are pruned."
@@ -571,3 +577,8 @@ class CheckpointConfig(_Section):
         if self.upload_backoff_max_s < self.upload_backoff_s:
             raise FieldError("upload_backoff_max_s", "is below upload_backoff_s")
         return self
+
+    @property
+    def umask(self) -> int:
+        """The process umask that gives the checkpoint files ``mode``."""
+        return {"private": 0o077, "group": 0o027, "world": 0o022}[self.mode]

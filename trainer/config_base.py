@@ -18,4 +18,6 @@ class FieldError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              # NaN or infinity in a bound or a timeout disables it
+                              allow_inf_nan=False)

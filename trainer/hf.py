@@ -224,7 +224,7 @@ def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Pa
     if manifest.get("writer", "dcp") == "deepspeed":
         sd = _deepspeed_weights(step_url)
     elif manifest.get("writer", "dcp") == "dcp":
-        sd = _dcp_weights(step_url, args)
+        sd = _dcp_weights(step_url, args, manifest)
     else:
         raise ValueError(f"{step_url}: written by {manifest.get('writer')!r}; export reads "
                          "DCP and DeepSpeed checkpoints")
@@ -236,29 +236,23 @@ def export_checkpoint(step_url: str, manifest: dict[str, Any], out_dir: str | Pa
     return written
 
 
-def _dcp_weights(step_url: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+def _dcp_weights(step_url: str, args: ModelArgs, manifest: dict[str, Any],
+                 ) -> dict[str, torch.Tensor]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import layout
+    from trainer.checkpoint.checkpointer import SafeLoadPlanner
+    from trainer.checkpoint.verified_reader import VerifiedReader
     from trainer.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
     state = {"app": {"model": model.state_dict()}}
-    if layout.is_remote(step_url):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        reader: Any = FsspecReader(step_url)
-    else:
-        reader = dcp.FileSystemReader(layout.filesystem(step_url)[1])
-    from trainer.checkpoint.checkpointer import SafeLoadPlanner
-
-    # The caller verified the manifest's signature and digests (export_checkpoint's
-    # contract): DCP's .metadata pickle is the one our rank 0 wrote; byte items, none here,
-    # would load weights-only.
-    dcp.load(state, storage_reader=reader, no_dist=True, planner=SafeLoadPlanner())
+    # Every file read once and checked against the manifest the caller verified; DCP's
+    # .metadata unpickled with an allow-list of its own types, byte items weights-only.
+    dcp.load(state, storage_reader=VerifiedReader(step_url, manifest), no_dist=True,
+             planner=SafeLoadPlanner())
     return state["app"]["model"]
 
 

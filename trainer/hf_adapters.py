@@ -47,22 +47,20 @@ def finetune_config(manifest: dict[str, Any]) -> FinetuneConfig:
     return FinetuneConfig.model_validate(record)
 
 
-def adapter_weights(step_url: str, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The checkpoint's adapter tensors for ``model``'s adapter keys (DCP, no process group)."""
+def adapter_weights(step_url: str, manifest: dict[str, Any], model: nn.Module,
+                    ) -> dict[str, torch.Tensor]:
+    """The checkpoint's adapter tensors for ``model``'s adapter keys (DCP, no process group),
+    each file checked against the verified ``manifest`` as it is read."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import layout
+    from trainer.checkpoint.checkpointer import SafeLoadPlanner
+    from trainer.checkpoint.verified_reader import VerifiedReader
     from trainer.finetune import is_adapter_key
 
     sd = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
     state = {"app": {"model": sd}}
-    if layout.is_remote(step_url):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        reader: Any = FsspecReader(step_url)
-    else:
-        reader = dcp.FileSystemReader(layout.filesystem(step_url)[1])
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=VerifiedReader(step_url, manifest), no_dist=True,
+             planner=SafeLoadPlanner())
     return state["app"]["model"]
 
 
@@ -98,7 +96,7 @@ def load_adapted(step_url: str, manifest: dict[str, Any]) -> nn.Module:
     if ft.method == "qlora":
         wrapped = {f"{name}.base_layer.weight" for name, _ in lora_layers(model)}
         sd = {k: dequantized(v.float(), ft) if k in wrapped else v for k, v in sd.items()}
-    sd.update(adapter_weights(step_url, model))
+    sd.update(adapter_weights(step_url, manifest, model))
     model.load_state_dict(sd, strict=True)
     return model
 
@@ -150,7 +148,7 @@ def write_peft_adapter(out_dir: str | Path, step_url: str, manifest: dict[str, A
     with torch.device("meta"):
         model = add_adapters(Transformer(args), ft)
     model.to_empty(device="cpu")
-    tensors = peft_adapter(adapter_weights(step_url, model), args, ft)
+    tensors = peft_adapter(adapter_weights(step_url, manifest, model), args, ft)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(getattr(torch, dtype)) for k, v in tensors.items()},

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = load_settings(args.config or ctx.config_path, job=ctx.job if ctx.managed else None,
                              checkpoint_root=ctx.checkpoint_root)
+    # What this rank writes (its checkpoint files) may be read as checkpoint.mode says.
+    os.umask(settings.checkpoint.umask)
     if settings.trainer.parallelism.compile and ctx.managed:
         load_compile_cache(startup)
     ahead = digest_ahead(settings, ctx)  # overlaps the process groups' set-up

@@ -179,6 +179,14 @@ class Rejoin:
         dctx = p.dctx
         dctx.ckpt_group, dctx.control_group = fresh.ckpt_group, fresh.control_group
         self.checkpointer.group = dctx.ckpt_group
+        # The fencing token: this process now writes and reads as the new generation.
+        from trainer.checkpoint.fence import Fence
+
+        ctx = p.worker.ctx
+        fence = Fence(ctx.generation, tuple(ctx.lineage), ctx.run_id)
+        self.checkpointer.store.fence = fence
+        if self.checkpointer.uploader is not None:
+            self.checkpointer.uploader.fence = fence
         if p.memory is not None:
             p.memory.group = new_memory_group(dctx)
             p.memory.generation = p.worker.ctx.generation

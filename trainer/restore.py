@@ -101,6 +101,8 @@ def load(r: Restore, memory: Any, checkpointer: Checkpointer, state: dict[str, A
             manifest = checkpointer.load(state, r.choice)
     else:
         manifest = checkpointer.load(state, r.choice)
+    if not r.from_memory:  # a copy that verified but did not load was passed over
+        r.choice = checkpointer.restored or r.choice
     r.seconds += time.perf_counter() - t0
     if memory is not None:
         memory.invalidate_after(progress.step)  # newer copies: an abandoned future

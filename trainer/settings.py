@@ -29,12 +29,15 @@ class WorkerSettings:
 
 
 def _read(path: str) -> dict[str, Any]:
-    text = Path(path).expanduser().read_text()
+    """The config file, read as every config is (bounded: a damaged or hostile file is a
+    ValueError naming the problem, not a traceback from deep in a parser)."""
     if path.endswith(".json"):
-        return json.loads(text)
-    import yaml
+        from orchestrator import readback
 
-    return yaml.safe_load(text) or {}
+        return readback.read_object(Path(path).expanduser(), readback.SMALL)
+    from orchestrator.config.loader import read_yaml
+
+    return read_yaml(path)
 
 
 def load_settings(config_path: str | None, job: str | None = None,

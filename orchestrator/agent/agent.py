@@ -22,6 +22,8 @@ from pydantic import ValidationError
 from orchestrator import envcontract as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
+from orchestrator.agent.keyservice import KeyService, make_undumpable
+from orchestrator.agent.lease import SupervisorLease
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
@@ -42,9 +44,13 @@ from orchestrator.protocol import (
     WorkerEvent,
     keep_valid_records,
 )
+from orchestrator.steprecord import MAX_RECORDS_PER_BEAT
 
 # Events held while the supervisor is unreachable; beyond this the oldest are dropped.
 _MAX_QUEUED_EVENTS = 10_000
+# Answers that refuse a beat for what it says (not for a supervisor that is not ready):
+# its records are not sent again.
+_REFUSED = (400, 403, 409, 413, 422)
 
 
 class Agent:
@@ -58,7 +64,8 @@ class Agent:
         self.client = SupervisorClient(head_url, token, node_id=node_id)
         self.log = get_logger("orchestrator.agent").bind(node=node_id)
         self.hub = LocalHub(on_event=self._on_worker_event, on_closed=self._on_channel_closed)
-        self.sock = LocalSocketServer(self.hub)
+        self.keys = KeyService(self._running_ranks)
+        self.sock = LocalSocketServer(self.hub, keys=self.keys.answer)
         self.ranks: RankSet | None = None
         self.warm = WarmPool()
         self._warm_task: asyncio.Task | None = None
@@ -79,11 +86,16 @@ class Agent:
         self._port_announced = False  # registered again with the job's own port choice
         self.health = HealthWork(node_id, run_dir, self._rank_env, self._queue, self._renew_port)
         self.memory: NodeMemory | None = None  # the memory tier's files, while on
+        self.lease = SupervisorLease(self.log)  # ranks stop when the supervisor is gone
 
     # -- main --------------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until told to exit (0) or until a root task fails (1: its error is logged with
         its traceback and printed on stderr)."""
+        # The checkpoint key is in this process's memory: closed to the ranks (same user).
+        if not make_undumpable():
+            self.log.warning("could not make the agent undumpable: processes of its user "
+                             "may read its memory")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._exit.set)
@@ -94,7 +106,10 @@ class Agent:
             roots = RootTasks({
                 "register": self._register_loop(), "heartbeat": self._heartbeat_loop(),
                 "assignment": self._assignment_loop(), "events": self._event_loop(),
-                "orphan_watch": self._orphan_watch()})
+                "orphan_watch": self._orphan_watch(), "lease": self.lease.watch(
+                    lambda: self.node_config.lease_s, self._running, self._lease_stop),
+                "follow": self.lease.follow(self.client, lambda: self.heartbeat_s,
+                                            self._registered.clear)})
             try:
                 await roots.wait(self._exit)
             except RootTaskFailed as exc:
@@ -120,8 +135,23 @@ class Agent:
             return 1
         return 0
 
+    def _running_ranks(self) -> tuple[dict[int, int], dict[str, str]] | None:
+        """The key service's view: this generation's live ranks' pids, and its environment
+        (where the supervisor names the key)."""
+        if self.ranks is None or not self.ranks.alive:
+            return None
+        pids = {r.rank: r.pid for r in self.ranks.ranks if r.alive and r.pid is not None}
+        return pids, self.ranks.assignment.env
+
     def _contact(self) -> None:
         self._last_contact = time.monotonic()
+        self.lease.renew()
+
+    def _running(self) -> int | None:
+        return self.ranks.generation if self.ranks is not None and self.ranks.alive else None
+
+    async def _lease_stop(self) -> None:
+        await self._stop_ranks(report=True, generation=self._running())
 
     async def _register_loop(self) -> None:
         """Register now, and again whenever the supervisor forgets us (restart)."""
@@ -144,6 +174,10 @@ class Agent:
                 await asyncio.sleep(1.0)
                 continue
             resp = RegisterResponse.model_validate(data)
+            if not self.lease.accepts(resp.epoch):  # a deposed leader: try the next URL
+                self.client.rotate()
+                await asyncio.sleep(0.5)
+                continue
             self.heartbeat_s = resp.heartbeat_interval_s
             self.beat_url = None if resp.heartbeat_port is None else \
                 self.client.url_at_port(resp.heartbeat_port)
@@ -203,12 +237,10 @@ class Agent:
             await asyncio.sleep(self.heartbeat_s)
             if not self._registered.is_set():
                 continue
-            generation, records = self.hub.take_records()
-            if records and self.ranks is not None and generation != self.ranks.generation:
-                # A rank that rejoined in place may still relay its abandoned steps: they
-                # are not the new generation's (the supervisor takes a beat's records as
-                # its generation's).
-                records = []
+            running = self.ranks.generation if self.ranks else None
+            generation, records = self.hub.take_records(MAX_RECORDS_PER_BEAT)
+            if generation != running:
+                records = []  # a generation that no longer runs here: the supervisor refuses them
             # One bad record (a user's metric that is a list, a 10 kB string) must not make
             # the beat unsendable, nor end this loop: it is dropped, and said once a beat.
             records, dropped = keep_valid_records(records)
@@ -216,8 +248,7 @@ class Agent:
                 self.log.warning("step records dropped: not valid for the protocol",
                                  dropped=dropped)
             try:
-                hb = Heartbeat(node_id=self.node_id,
-                               generation=self.ranks.generation if self.ranks else None,
+                hb = Heartbeat(node_id=self.node_id, generation=running,
                                free_port=self._port(), ranks=self._rank_infos(),
                                records=records)
             except ValidationError as exc:
@@ -228,8 +259,10 @@ class Agent:
                 await self._send_beat(hb.model_dump(mode="json"))
                 self._contact()
             except (Unreachable, SupervisorError) as exc:
-                # Keep the records for the next beat (the supervisor may be restarting).
-                if records and generation == self.hub.records_generation:
+                refused = isinstance(exc, SupervisorError) and exc.status in _REFUSED
+                # Keep the records for the next beat (the supervisor may be restarting),
+                # unless it refused them: sent again, they would be refused again.
+                if records and not refused and generation == self.hub.records_generation:
                     self.hub.records[:0] = records
                 if isinstance(exc, SupervisorError):
                     self._forget_registration(exc)
@@ -265,7 +298,10 @@ class Agent:
                 self._forget_registration(exc)
                 await asyncio.sleep(0.5)
                 continue
-            if data:
+            if data and not self.lease.accepts(data.get("epoch")):
+                self.client.rotate()  # a deposed leader's order: never carried out
+                await asyncio.sleep(0.5)
+            elif data:
                 await self._reconcile(Assignment.model_validate(data))
 
     async def _reconcile(self, a: Assignment) -> None:
@@ -356,6 +392,9 @@ class Agent:
             return ec.memory_env(str(self.memory.path)) if self.memory is not None else {}
         if self.memory is None:
             self.memory = NodeMemory(nc.memory_root, self.run_dir, self.node_id)
+        if not self.lease.memory_continues(self.ranks.generation if self.ranks else None,
+                                           a.generation):
+            self.memory.forget()  # copies of an earlier, or deposed, generation
         try:
             slot = self.memory.provision(
                 [a.rank_offset + i for i in range(a.nproc)], a.world_size, a.nproc,

@@ -2,7 +2,9 @@
 
 Ranks send ``beat`` lines (their latest progress and step records) and ``event`` lines
 (checkpoint committed, ...). The agent keeps the newest beat of each rank and the step
-records not yet relayed; events are handed on at once.
+records not yet relayed; events are handed on at once. A ``key`` line asks the agent to sign
+or check a manifest (``orchestrator.worker.keyclient``): it is answered on its connection,
+with the pid at the other end of it (``SO_PEERCRED``) saying who asks.
 
 A beat is parsed into ``WorkerBeat`` (the protocol's own types and bounds) before any of
 it is kept: its fields go into the node's heartbeat, which the supervisor parses strictly,
@@ -21,6 +23,8 @@ import asyncio
 import json
 import math
 import os
+import socket
+import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,13 +32,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from orchestrator import readback
 from orchestrator.logs import get_logger
 from orchestrator.protocol import MAX_STEP_INTERVAL_S, Generation, Phase, Pid, Rank, Step
+from orchestrator.worker.keyclient import MAX_LINE, KeyReply, key_line
 from orchestrator.worker_events import Timestamp
 
 # Records held for the supervisor while it is unreachable; beyond this the oldest are
 # dropped (they are in the worker's own logs; the stream resumes when it is back).
 _MAX_PENDING_RECORDS = 50_000
+# A rank's line: a beat (its step records carry a NaN loss as NaN) or a key request.
+_LINE = readback.Bounds(max_bytes=MAX_LINE, max_depth=16, allow_nan=True)
 # Orders held for a rank that has not connected yet (a profile order is one line).
 _MAX_PENDING_ORDERS = 16
 # A rank's summarized step time or data wait above this is not a measurement (a week).
@@ -168,8 +176,9 @@ class LocalHub:
         self.writers.pop(rank, None)
         self.pending.pop(rank, None)
 
-    def take_records(self) -> tuple[int | None, list[dict[str, Any]]]:
-        recs, self.records = self.records, []
+    def take_records(self, limit: int) -> tuple[int | None, list[dict[str, Any]]]:
+        """The oldest ``limit`` pending records and their generation (the rest wait)."""
+        recs, self.records = self.records[:limit], self.records[limit:]
         return self.records_generation, recs
 
     def reset(self) -> None:
@@ -179,11 +188,30 @@ class LocalHub:
         self.pending.clear()
 
 
+# Answers a rank's key request (``orchestrator.agent.keyservice``), given the asking pid.
+KeyAnswer = Callable[[dict[str, Any], "int | None"], KeyReply]
+
+
+def _no_keys(msg: dict[str, Any], pid: int | None) -> KeyReply:
+    return KeyReply(ok=False, error="this agent holds no checkpoint key")
+
+
+def peer_pid(sock: Any) -> int | None:
+    """The pid of the process at the other end of a unix socket (Linux)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    pid, _, _ = struct.unpack("3i", raw)
+    return pid if pid > 0 else None
+
+
 class LocalSocketServer:
     """A unix socket in a private temp dir (short path: sun_path is ~108 bytes)."""
 
-    def __init__(self, hub: LocalHub) -> None:
+    def __init__(self, hub: LocalHub, keys: KeyAnswer = _no_keys) -> None:
         self.hub = hub
+        self.keys = keys
         self._dir = tempfile.mkdtemp(prefix="orch-")
         self.path = os.path.join(self._dir, "agent.sock")
         self._server: asyncio.AbstractServer | None = None
@@ -191,7 +219,7 @@ class LocalSocketServer:
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._client, path=self.path,
-                                                       limit=16 * 2**20)
+                                                       limit=MAX_LINE)
         os.chmod(self.path, 0o600)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -201,8 +229,12 @@ class LocalSocketServer:
                 if not line:
                     break
                 try:
-                    msg = json.loads(line)
-                except json.JSONDecodeError:
+                    msg = readback.loads(line, _LINE)
+                except readback.Unreadable:
+                    continue
+                if isinstance(msg, dict) and msg.get("t") == "key":
+                    pid = peer_pid(writer.get_extra_info("socket"))
+                    writer.write(key_line(self.keys(msg, pid)))
                     continue
                 if isinstance(msg, dict):
                     rank = self.hub.handle(msg)

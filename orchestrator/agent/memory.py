@@ -74,6 +74,21 @@ class NodeMemory:
         self.budget = slot_bytes * len(wanted)
         return slot_bytes
 
+    def forget(self) -> list[str]:
+        """Uncommit every copy (its manifest goes; the bytes stay, unread): the next ranks
+        are not the ones that follow on from the generation that wrote them
+        (``lease.SupervisorLease.memory_continues``). Returns the manifests removed."""
+        removed = []
+        try:
+            entries = list(os.scandir(self.path))
+        except OSError:
+            return removed
+        for entry in entries:
+            if entry.name.endswith(".json"):
+                Path(entry.path).unlink(missing_ok=True)
+                removed.append(entry.name)
+        return removed
+
     def usage(self) -> int:
         """Bytes the slot files hold now (allocated pages, not their sparse size)."""
         total = 0

@@ -3,7 +3,8 @@
 The agent runs ranks in ``job.workdir`` (``{node_id}`` substituted), offers a rendezvous port
 from ``job.master_port`` / ``job.master_port_range`` (or any free port), tells ranks
 torchrun's ``TORCHELASTIC_MAX_RESTARTS`` from ``restart.max_restarts``, and stops ranks with
-``timeouts.stop_grace_s``, and keeps the memory tier's files (``checkpoint.memory_*``).
+``timeouts.stop_grace_s``, keeps the memory tier's files (``checkpoint.memory_*``), and
+stops its ranks when no supervisor has answered for ``timeouts.agent_lease_s`` (``lease``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class NodeConfig:
     master_port: int | None = None
     master_port_range: tuple[int, int] | None = None
     node_lost_s: float = 30.0
+    lease_s: float = 0.0  # timeouts.agent_lease_s (0: none, as before a registration)
 
     # The memory tier (checkpoint.memory_*): None when off.
     memory_root: Path | None = None
@@ -87,6 +89,7 @@ class NodeConfig:
                    stop_grace_s=cfg.timeouts.stop_grace_s, workdir=workdir,
                    master_port=job.master_port, master_port_range=job.master_port_range,
                    node_lost_s=cfg.timeouts.node_lost_s,
+                   lease_s=cfg.timeouts.agent_lease_s,
                    memory_root=Path(ck.memory_root).expanduser() if memory_on else None,
                    memory_max_bytes=ck.memory_max_bytes, memory_partner=ck.memory_partner)
 

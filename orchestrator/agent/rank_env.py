@@ -8,6 +8,10 @@ exit's cause.
 
 Where we differ from torchrun, and why:
 
+- No secret reaches a rank (``envcontract.SECRETS``): not the control-API token, not the
+  checkpoint signing key nor its file's path, even when ``job.env`` names them: the node
+  agent signs and checks manifests for its ranks (``agent.keyservice``).
+
 - ``TORCHELASTIC_USE_AGENT_STORE=False``: torchrun's agent hosts the TCPStore and its ranks
   connect as clients; here rank 0 hosts it (torch's ``env://`` rendezvous), so "True" would
   leave every rank waiting for a store nobody serves.
@@ -23,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from orchestrator import envcontract as ec
 from orchestrator.protocol import Assignment
 
 # torchrun's defaults for variables a user may still override (job.env or the agent's env).
@@ -64,7 +69,8 @@ def rank_env(a: Assignment, local_rank: int, base: dict[str, str], *, run_dir: P
     """
     rank = a.rank_offset + local_rank
     nodes = a.world_size // a.nproc if a.nproc > 0 else 1
-    env = {**base, **a.env}
+    # The signing key and its file stay with the agent (``agent.keyservice``).
+    env = ec.without_secrets({**base, **a.env})
     for key, value in TORCHRUN_DEFAULTS.items():
         env.setdefault(key, value)
     env.update({

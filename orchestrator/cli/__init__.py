@@ -35,6 +35,10 @@ app.add_typer(config_app, name="config")
 from orchestrator.cli.sagemaker import sagemaker_app
 
 app.add_typer(sagemaker_app, name="sagemaker", context_settings=_CONTEXT)
+deploy_app = typer.Typer(help="Render what a platform needs to run a job from its config "
+                              "(sizes from cluster, the rest from the deploy: section).",
+                         no_args_is_help=True, context_settings=_CONTEXT)
+app.add_typer(deploy_app, name="deploy")
 
 
 def _version(value: bool) -> None:
@@ -78,6 +82,12 @@ def up(
     = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Every log line too.")]
     = False,
+    standby: Annotated[bool, typer.Option(
+        help="Wait as a standby supervisor (leader.etcd): take the job of --run-dir over when "
+             "its leader's lease lapses.")] = False,
+    advertise_host: Annotated[str | None, typer.Option(
+        help="Address agents reach this supervisor at (default: launcher.advertise_host, "
+             "else this host's name); a standby on another host has its own.")] = None,
 ) -> None:
     """Start the supervisor and run the job to completion; exit 0 only when it completed.
 
@@ -97,7 +107,8 @@ def up(
     verbosity = Verbosity.QUIET if quiet else Verbosity.VERBOSE if verbose else Verbosity.NORMAL
     raise typer.Exit(run_up(config, run_dir, overrides or [], detach=detach, resume=resume,
                             chaos_kill_at=chaos_kill_at or [], log_format=fmt,
-                            verbosity=verbosity))
+                            verbosity=verbosity, standby=standby,
+                            advertise_host=advertise_host))
 
 
 @app.command()
@@ -266,12 +277,51 @@ def data_prepare(
     source: Annotated[list[str] | None, typer.Option(
         help="Text/jsonl files or globs (repeatable); default: the Python stdlib.")] = None,
     tokenizer: Annotated[str, typer.Option(help="'byte' or a tokenizer.json.")] = "byte",
-    max_bytes: Annotated[int, typer.Option(help="Cap on source bytes.")] = 8 * 2**20,
+    max_bytes: Annotated[int | None, typer.Option(
+        min=1, help="Cap on source bytes read (default: every byte of --source files; 8 MiB "
+                    "of the stdlib). Documents past it are left out, and said so.",
+        show_default=False)] = None,
 ) -> None:
     """Turn text / jsonl files into packed token shards."""
     from orchestrator.cli.views import prepare_data
 
     raise typer.Exit(prepare_data(out, source or "stdlib", tokenizer, max_bytes))
+
+
+DeployConfigArg = Annotated[Path, typer.Argument(help="The job's config YAML.")]
+OutOpt = Annotated[Path | None, typer.Option(
+    "--out", "-o", help="Directory to write the files to (default: print them).",
+    show_default=False)]
+
+
+@deploy_app.command("kubernetes")
+def deploy_kubernetes(config: DeployConfigArg, overrides: SetOpt = None,
+                      out: OutOpt = None) -> None:
+    """A kustomization directory: the supervisor as a Job, the agents as an Indexed Job of
+    nodes + spares pods, the config as a ConfigMap (kubectl apply -k OUT)."""
+    from orchestrator.cli.deploy import render_deploy
+
+    raise typer.Exit(render_deploy("kubernetes", config, overrides or [], out))
+
+
+@deploy_app.command("slurm")
+def deploy_slurm(config: DeployConfigArg, overrides: SetOpt = None, out: OutOpt = None) -> None:
+    """One sbatch file with the job's config inside (--nodes, --ntasks-per-node,
+    --gpus-per-node from the cluster section)."""
+    from orchestrator.cli.deploy import render_deploy
+
+    raise typer.Exit(render_deploy("slurm", config, overrides or [], out))
+
+
+@deploy_app.command("sagemaker")
+def deploy_sagemaker(config: DeployConfigArg, overrides: SetOpt = None, out: OutOpt = None,
+                     job_name: Annotated[str | None, typer.Option(
+                         help="Training job name (default: job.name).")] = None) -> None:
+    """The CreateTrainingJob request (token hidden) and its config channel's file; the
+    instance count is cluster.nodes + cluster.spares."""
+    from orchestrator.cli.deploy import render_deploy
+
+    raise typer.Exit(render_deploy("sagemaker", config, overrides or [], out, job_name))
 
 
 @stability_app.command("replay")
@@ -304,8 +354,10 @@ TrustUnsignedOpt = Annotated[bool, typer.Option(
 
 @ckpt_app.command("list")
 def checkpoints_list(
-    urls: Annotated[list[str], typer.Argument(
-        help="Job checkpoint roots (<root>/<job>), e.g. the local tier and the S3 tier.")],
+    urls: Annotated[list[str] | None, typer.Argument(
+        help="Job checkpoint roots (<root>/<job>), e.g. the local tier and the S3 tier, or "
+             "run directories (every tier of their job). Default: runs/latest.",
+        show_default=False)] = None,
     checksums: Annotated[bool, typer.Option(
         help="Read every file and check its checksum (default: sizes only).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="JSON rows.")] = False,
@@ -314,11 +366,11 @@ def checkpoints_list(
     trust_unsigned: TrustUnsignedOpt = False,
 ) -> None:
     """Table of checkpoints: step, tier, size, age, signature, verified; exit 1 when a
-    committed one fails."""
+    committed one fails or there is none."""
     from orchestrator.cli.checkpoints import list_checkpoints, use_endpoint
 
     use_endpoint(endpoint_url)
-    raise typer.Exit(list_checkpoints(urls, checksums, json_out, key_file, trust_unsigned))
+    raise typer.Exit(list_checkpoints(urls or [], checksums, json_out, key_file, trust_unsigned))
 
 
 @ckpt_app.command("verify")
@@ -404,4 +456,17 @@ def export(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ImportError as exc:
+        # An optional dependency a command met without a check of its own: one line naming
+        # the extra that installs it, not a traceback.
+        from orchestrator.extras import from_import_error
+
+        missing = from_import_error(exc)
+        if missing is None:
+            raise
+        import sys
+
+        print(f"error: {missing}", file=sys.stderr)
+        raise SystemExit(2) from None

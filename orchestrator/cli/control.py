@@ -13,11 +13,12 @@ from pathlib import Path
 from rich.console import Console
 
 from orchestrator.cli.liveness import check as supervisor_liveness
-from orchestrator.cli.liveness import api_ssl_context, resume_command
+from orchestrator.cli.liveness import api_ssl_context, pid_alive, resume_command
 from orchestrator.envcontract import TOKEN, read_token
+from orchestrator.jobview import JobView
 from orchestrator.rundir import RunDir
 from orchestrator.state import JobState
-from orchestrator.status import load_view
+from orchestrator.status import last_step_record, load_view
 
 console = Console(stderr=True)
 _TERMINAL = frozenset(s.value for s in JobState if s.terminal)
@@ -66,18 +67,54 @@ def stop_job(run_dir: Path | None, timeout: float, checkpoint: bool = True) -> i
     deadline = time.monotonic() + timeout
     with console.status("stopping the job (a final checkpoint first)..." if checkpoint
                         else "stopping the job..."):
-        while time.monotonic() < deadline:
-            view = load_view(run)
-            if view.state.terminal:
-                ckpt = view.newest_checkpoint_step
-                console.print(f"job {view.job}: {view.state.value} at step {view.last_step}"
-                              f" (newest checkpoint {ckpt if ckpt is not None else 'none'})"
-                              + (f"; continue it: orchestrator up --resume {run.root}"
-                                 if view.state.value == "STOPPED" else ""))
-                return 0
-            time.sleep(0.5)
-    console.print(f"[yellow]still {load_view(run).state.value} after {timeout:.0f} s[/yellow]")
-    return 1
+        view = _wait_terminal(run, deadline)
+        if view is None:
+            console.print(f"[yellow]still {load_view(run).state.value} after {timeout:.0f} s"
+                          "[/yellow]")
+            return 1
+        # The journal's final state comes before the supervisor's exit (it tells the agents
+        # to exit and waits for them): `up --resume` right after must find it gone.
+        gone = alive.pid is None or _wait_exit(alive.pid, deadline)
+    step = stopped_step(view, run)
+    ckpt = view.newest_checkpoint_step
+    console.print(f"job {view.job}: {view.state.value} at step {step} (newest checkpoint "
+                  f"{ckpt if ckpt is not None else 'none'})")
+    if not gone:
+        console.print(f"[yellow]the supervisor (pid {alive.pid}) is still shutting down after "
+                      f"{timeout:.0f} s; `orchestrator up --resume {run.root}` waits for it"
+                      "[/yellow]")
+        return 1
+    if view.state is JobState.STOPPED:
+        console.print(f"continue it: orchestrator up --resume {run.root}")
+    return 0
+
+
+def _wait_terminal(run: RunDir, deadline: float) -> JobView | None:
+    while time.monotonic() < deadline:
+        view = load_view(run)
+        if view.state.terminal:
+            return view
+        time.sleep(0.2)
+    return None
+
+
+def _wait_exit(pid: int, deadline: float) -> bool:
+    """True once ``pid`` has exited (before ``deadline``)."""
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def stopped_step(view: JobView, run: RunDir) -> int:
+    """The step a stopped or ended job reached: rank 0's last step record when it is newer
+    than the journal's last progress event (journaled every few seconds only)."""
+    record = last_step_record(run) or {}
+    step = record.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step > view.last_step:
+        return step
+    return view.last_step
 
 
 def show_rank_logs(run_dir: Path | None, ranks: list[int] | None, follow: bool,
@@ -95,6 +132,12 @@ def show_rank_logs(run_dir: Path | None, ranks: list[int] | None, follow: bool,
         return 2
     from orchestrator.console import JobFollower
 
+    world = load_view(run).world_size
+    unknown = [r for r in ranks or [] if world and r >= world]
+    if unknown:
+        console.print(f"[red]error[/red] no rank {', '.join(map(str, unknown))}: job "
+                      f"{run.root} has ranks 0-{world - 1}", highlight=False)
+        return 1
     journal = JobFollower(run.root)  # reads only what the journal gained since the last poll
 
     def job_ended() -> bool:
@@ -108,6 +151,9 @@ def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,
               token_file: Path | None, orphan_timeout: float) -> int:
     from orchestrator.agent.agent import Agent
     from orchestrator.logs import configure_logging
+    from orchestrator.rundir import make_private
+
+    make_private()  # its logs, and what its ranks write (they inherit it)
 
     token = read_token(os.environ) or ""
     if token_file is not None:

@@ -23,6 +23,7 @@ from rich.live import Live
 from rich.text import Text
 
 from orchestrator.console import JobFollower, describe, progress_line
+from orchestrator.textsafe import shown
 
 # The progress line is redrawn this often; the journal and step files are read as often.
 _REFRESH_S = 0.5
@@ -102,7 +103,7 @@ class _ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.console.print(self.format(record), markup=False, highlight=False,
+            self.console.print(shown(self.format(record)), markup=False, highlight=False,
                                soft_wrap=True)
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
             self.handleError(record)
@@ -156,7 +157,7 @@ class ConsoleView:
         stamp = time.strftime("%H:%M:%S", time.localtime(event.get("ts") or self.clock())) \
             if isinstance(event.get("ts"), int | float) else "--:--:--"
         text = Text(f"{stamp} ")
-        text.append(message, style=_STYLE[level])
+        text.append(shown(message), style=_STYLE[level])
         self.console.print(text, soft_wrap=True)
 
     def goodput_due(self) -> bool:

@@ -122,7 +122,7 @@ def healthz(url: str, timeout: float = _HEALTHZ_TIMEOUT_S,
                                     context=context if url.startswith("https") else None) \
                 as resp:
             body = json.loads(resp.read(65536))
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, RecursionError):
         return False
     return isinstance(body, dict) and body.get("ok") is True
 

@@ -103,7 +103,9 @@ class RankStream:
 
 
 def prefix(rank: int, line: str) -> str:
-    return f"[rank{rank}]: {line}"
+    """``[rank1]: line``; a line torch already prefixed for this rank keeps its one prefix."""
+    mark = f"[rank{rank}]:"
+    return line if line.startswith(mark) else f"{mark} {line}"
 
 
 @dataclass
@@ -132,17 +134,81 @@ class LogFollower:
                 yield prefix(rank, line)
 
 
+class _Generations:
+    """One rank's lines so far, each with the generation its header opened, read lazily (a
+    long job's logs are never held in memory at once)."""
+
+    def __init__(self, stream: RankStream, final: bool) -> None:
+        self.stream = stream
+        self.final = final
+        self.generation = 0
+        self._lines: Iterator[str] = self._read()
+        self._next: str | None = None
+        self._advance()
+
+    def _read(self) -> Iterator[str]:
+        while lines := self.stream.read():
+            yield from lines
+        if self.final:  # a last line with no newline (a follower waits for the rest of it)
+            yield from self.stream.read(final=True)
+
+    def _advance(self) -> None:
+        self._next = next(self._lines, None)
+        header = _HEADER.match(self._next) if self._next is not None else None
+        if header:
+            self.generation = int(header.group(1))
+
+    @property
+    def next_generation(self) -> int | None:
+        return None if self._next is None else self.generation
+
+    def take(self, generation: int) -> Iterator[str]:
+        """The lines of ``generation`` (up to the next generation's header)."""
+        while self._next is not None and self.generation == generation:
+            line = self._next
+            self._advance()
+            yield line
+
+
+def _drain_by_generation(follower: LogFollower, out: TextIO, final: bool) -> int:
+    """What the files hold now, generation by generation (every rank's lines of generation
+    1, then of 2...): the files carry no time per line, and a restart is where the ranks'
+    stories meet. Returns the number of lines printed."""
+    follower._discover()
+    ranks = {rank: _Generations(stream, final)
+             for rank, stream in sorted(follower.streams.items())}
+    printed = 0
+    while True:
+        pending = [g.next_generation for g in ranks.values() if g.next_generation is not None]
+        if not pending:
+            return printed
+        generation = min(pending)
+        for rank, lines in ranks.items():
+            for line in lines.take(generation):
+                out.write(prefix(rank, line) + "\n")
+                printed += 1
+        out.flush()
+
+
 def show_logs(logs_dir: Path, ranks: list[int] | None, since: datetime | None, follow: bool,
               job_ended: Callable[[], bool], out: TextIO | None = None,
-              sleep: Callable[[float], None] = time.sleep) -> int:
-    """Print the selected ranks' lines; with ``follow``, keep printing new ones until the job
-    has ended and its files are drained (or Ctrl-C). Returns the exit code."""
+              sleep: Callable[[float], None] = time.sleep,
+              err: TextIO | None = None) -> int:
+    """Print the selected ranks' lines, generation by generation; with ``follow``, keep
+    printing new ones as they come until the job has ended and its files are drained (or
+    Ctrl-C). Returns the exit code: 1 when there was nothing to print and no following."""
     out = out or sys.stdout
     follower = LogFollower(logs_dir, ranks, since)
     try:
-        _drain(follower, out, final=not follow)
+        printed = _drain_by_generation(follower, out, final=not follow)
         if not follow:
-            return 0
+            if printed:
+                return 0
+            which = "any rank" if ranks is None else \
+                "rank " + ", ".join(str(r) for r in ranks)
+            (err or sys.stderr).write(f"no log lines of {which} in {logs_dir}"
+                                      + (" since then" if since else "") + "\n")
+            return 1
         while True:
             ended = job_ended()  # asked before the read, so the last lines are not missed
             _drain(follower, out, final=ended)

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
+from orchestrator import readback
 from orchestrator.config.loader import ConfigError, Problem, apply_overrides, read_yaml
 from stability.config import StabilityConfig
 from stability.lineage import LineageMonitor
@@ -78,14 +79,15 @@ def replay_lines(lines: Iterable[str], config: StabilityConfig,
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"line {lineno}: invalid JSON: {exc.msg}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"line {lineno}: a step record must be a JSON object")
+            record = readback.loads_object(line, readback.STEPS)
+        except readback.Unreadable as exc:
+            raise ValueError(f"line {lineno}: invalid JSON: {exc}") from None
         if "ts" in record and set(record) <= {"step", "ts", "generation"}:
             continue  # the preload hook's {step, ts}: a step, nothing to judge
-        generation = int(record.get("generation") or 0)
+        generation = record.get("generation") or 0
+        if isinstance(generation, bool) or not isinstance(generation, int) \
+                or not 0 <= generation <= 1 << 31:
+            raise ValueError(f"line {lineno}: generation {str(generation)[:40]!r} is not one")
         try:
             events = monitor.feed(record, generation)
         except (TypeError, ValueError) as exc:

@@ -41,45 +41,53 @@ def submit(
     dry_run: Annotated[bool, typer.Option(
         help="Print the CreateTrainingJob request (token hidden) and send nothing.")] = False,
 ) -> None:
-    """Validate CONFIG, upload it, and create a SageMaker training job running it."""
-    from pydantic import ValidationError
-
-    from orchestrator.config import ConfigError, load_config
-    from orchestrator.launchers.sagemaker_submit import (
-        SubmitSpec,
-        redacted,
-        training_job_request,
-    )
+    """Validate CONFIG as the instances will run it, upload it, and create a SageMaker
+    training job running it (--dry-run: print the request and what to know about it)."""
+    from orchestrator.config import ConfigError, validate_data
+    from orchestrator.config.loader import apply_overrides, read_yaml
+    from orchestrator.launchers.sagemaker_submit import PlanError, plan, redacted
     from orchestrator.launchers.sagemaker_submit import submit as send
+    from orchestrator.launchers.sagemaker_submit import training_job_request
 
     try:
-        cfg = load_config(config, overrides or [])
-    except (ConfigError, FileNotFoundError) as exc:
-        err.print(f"[red]config error[/red] {exc}")
+        data = apply_overrides(read_yaml(config), overrides or [])
+    except ConfigError as exc:
+        err.print(f"[red]config error[/red] {exc}", highlight=False, markup=False)
         raise typer.Exit(2) from None
-    name = job_name or f"{cfg.job.name.replace('_', '-').replace('.', '-')}-" \
+    name = (data.get("job") or {}).get("name") or "local"
+    name = job_name or f"{str(name).replace('_', '-').replace('.', '-')}-" \
                        f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    out = output_s3.rstrip("/")
     try:
-        spec = SubmitSpec(job_name=name, image=image, instance_type=instance_type,
-                          instance_count=instance_count, role_arn=role, output_s3=out,
-                          checkpoint_s3=checkpoint_s3 or f"{out}/{name}/checkpoints",
-                          max_runtime_s=max_runtime, volume_gb=volume_gb)
-    except ValidationError as exc:
-        for e in exc.errors():
-            err.print(f"[red]error[/red] {'.'.join(map(str, e['loc']))}: {e['msg']}")
+        checked = plan(data, str(config), job_name=name, image=image,
+                       instance_type=instance_type, instance_count=instance_count,
+                       role_arn=role, output_s3=output_s3, checkpoint_s3=checkpoint_s3,
+                       max_runtime_s=max_runtime, volume_gb=volume_gb)
+    except PlanError as exc:
+        for problem in exc.problems:
+            err.print(f"[red]error[/red] {problem}", highlight=False)
         raise typer.Exit(2) from None
-    if cfg.cluster.nodes + cfg.cluster.spares != instance_count:
-        err.print(f"note: cluster.nodes is set to {instance_count - cfg.cluster.spares} on "
-                  f"the instances (instance count {instance_count} minus "
-                  f"{cfg.cluster.spares} spare(s))")
+    for note in checked.notes:
+        err.print(note, highlight=False, markup=False)
+    spec = checked.spec
     request = training_job_request(spec, secrets.token_urlsafe(32))
     if dry_run:
         print(json.dumps(redacted(request), indent=2))
         raise typer.Exit(0)
     import yaml
 
-    body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    from orchestrator.extras import MissingExtra, require
+
+    try:
+        require("boto3", "sagemaker submit (CreateTrainingJob)")
+    except MissingExtra as exc:
+        err.print(f"[red]error[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
+    try:  # the resolved config travels, as the instances will read it
+        body = yaml.safe_dump(validate_data(data, str(config)).model_dump(mode="json"),
+                              sort_keys=False)
+    except ConfigError as exc:
+        err.print(f"[red]config error[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
     arn = send(request, spec, body, region=region, endpoint_url=endpoint_url)
     print(arn)
 

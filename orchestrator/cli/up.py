@@ -10,21 +10,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from orchestrator.cli.live import LogFormat, Verbosity
 from orchestrator.cli.liveness import api_ssl_context, api_urls, healthz, supervisor_info
 from orchestrator.cli.liveness import check as supervisor_liveness
+from orchestrator.cli.liveness import pid_alive
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
-from orchestrator.rundir import RunDir
+from orchestrator.rundir import RunDir, make_private
 from orchestrator.state import JobState
+from orchestrator.textsafe import shown
 
 console = Console(stderr=True)
 # `up --detach` waits this long for the daemon to listen (data preparation comes first and
 # can take a minute on a cold machine); past it, the daemon keeps starting on its own.
 _DETACH_WAIT_S = 600.0
+# `up --resume` of a stopped job waits for its old supervisor's exit: the agents' stop grace
+# plus this (one long-poll round trip, closing the API, writing the summary).
+_SHUTDOWN_MARGIN_S = 20.0
 
 
 def _load(config: Path | None, overrides: list[str], chaos_kill_at: list[int]) -> Config:
@@ -35,10 +41,20 @@ def _load(config: Path | None, overrides: list[str], chaos_kill_at: list[int]) -
 def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, detach: bool,
            resume: Path | None, chaos_kill_at: list[int],
            log_format: LogFormat = LogFormat.AUTO,
-           verbosity: Verbosity = Verbosity.NORMAL) -> int:
+           verbosity: Verbosity = Verbosity.NORMAL, standby: bool = False,
+           advertise_host: str | None = None) -> int:
+    if standby:
+        from orchestrator.cli.standby import standby_problem
+
+        problem = standby_problem(config, run_dir, resume, detach)
+        if problem:
+            console.print(f"[red]error[/red] {problem}")
+            return 2
+    make_private()  # the run directory, and what the supervisor and its agents write
     try:
         if resume is not None:
             run = RunDir.open(resume)
+            run.narrow()
             cfg = validate_data(read_yaml(run.config), str(run.config))
         else:
             cfg = _load(config, overrides, chaos_kill_at)
@@ -48,16 +64,20 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
     except FileNotFoundError as exc:
         console.print(f"[red]error[/red] {exc}")
         return 2
-    problem = _launcher_problem(cfg)
+    problem = _launcher_problem(cfg) or (
+        "--standby needs leader.etcd in the config (the store the supervisors elect "
+        "their leader through)" if standby and not cfg.leader.etcd else None)
     if problem:
         console.print(f"[red]error[/red] {problem}")
         return 2
-    if resume is not None:
-        alive = supervisor_liveness(run)
-        if alive.running:  # never a second supervisor, never its pid file
-            console.print(f"[red]error[/red] the supervisor of {run.root} is already "
-                          f"{alive.describe()}; stop it first (orchestrator down {run.root})")
+    if resume is not None and not cfg.leader.etcd:  # with a standby, etcd decides
+        refusal = _resume_refusal(run, cfg)
+        if refusal:  # never a second supervisor, never its pid file
+            console.print(f"[red]error[/red] {refusal}")
             return 1
+    elif standby:
+        assert run_dir is not None  # standby_problem checked it
+        run = RunDir(run_dir.expanduser().resolve())
     else:
         try:
             run = _new_run_dir(cfg, run_dir)
@@ -70,7 +90,8 @@ def run_up(config: Path | None, run_dir: Path | None, overrides: list[str], *, d
             verbosity, [])
         return _detach(config, run, overrides, chaos_kill_at, resume, extra)
     return _foreground(cfg, run, resumed=resume is not None,
-                       log_format=log_format.resolve(sys.stderr), verbosity=verbosity)
+                       log_format=log_format.resolve(sys.stderr), verbosity=verbosity,
+                       standby=standby, advertise_host=advertise_host)
 
 
 def _launcher_problem(cfg: Config) -> str | None:
@@ -83,16 +104,66 @@ def _launcher_problem(cfg: Config) -> str | None:
     return None
 
 
+def _resume_refusal(run: RunDir, cfg: Config) -> str | None:
+    """Why ``up --resume`` cannot start a supervisor for ``run`` now; None when it can.
+
+    A stopped job's supervisor journals STOPPED, then tells its agents to exit and waits
+    for them: a resume right after ``down`` (or Ctrl-C) waits for that process to end."""
+    from orchestrator.status import load_view
+
+    alive = supervisor_liveness(run)
+    if not alive.running:
+        return None
+    state = load_view(run).state
+    if state.terminal and alive.pid is not None:
+        wait_s = cfg.timeouts.stop_grace_s + _SHUTDOWN_MARGIN_S
+        with console.status(f"waiting for the supervisor of the {state.value} job (pid "
+                            f"{alive.pid}) to finish shutting down..."):
+            deadline = time.monotonic() + wait_s
+            while pid_alive(alive.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if not pid_alive(alive.pid):
+            return None
+        return (f"the supervisor of {run.root} (pid {alive.pid}) has journaled {state.value} "
+                f"but is still shutting down after {wait_s:.0f} s; wait for it to exit, or "
+                f"end it (kill {alive.pid}), then resume")
+    return (f"the supervisor of {run.root} is already {alive.describe()}; the job is "
+            f"{state.value}: follow it (orchestrator status --watch {run.root}) or stop it "
+            f"first (orchestrator down {run.root})")
+
+
 def _new_run_dir(cfg: Config, run_dir: Path | None) -> RunDir:
     if run_dir is None:
         return RunDir.create(cfg.job.run_root, cfg.job.name)
     run_dir = run_dir.expanduser().resolve()
     journal = run_dir / "events.jsonl"
     if journal.exists() and journal.stat().st_size > 0:
-        raise FileExistsError(f"{run_dir} already holds a job; use --resume {run_dir}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+        raise FileExistsError(_taken_run_dir(RunDir(run_dir)))
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     _point_latest(Path(cfg.job.run_root).expanduser().resolve(), run_dir)
-    return RunDir(run_dir)
+    run = RunDir(run_dir)
+    run.narrow()
+    return run
+
+
+def _taken_run_dir(run: RunDir) -> str:
+    """What to do with a run directory that already holds a job, by the job's state."""
+    from orchestrator.status import load_view
+
+    state = load_view(run).state
+    alive = supervisor_liveness(run)
+    if alive.running:
+        return (f"{run.root} holds a {state.value} job whose supervisor is {alive.describe()}:"
+                f" follow it (orchestrator status --watch {run.root}), stop it (orchestrator "
+                f"down {run.root}), or give this job another --run-dir")
+    if state is JobState.STOPPED:
+        return (f"{run.root} holds a STOPPED job: continue it with orchestrator up --resume "
+                f"{run.root}, or give this job another --run-dir")
+    if state.terminal:
+        return f"{run.root} holds a {state.value} job: give this job another --run-dir"
+    return (f"{run.root} holds a {state.value} job with no supervisor running: resume it "
+            f"with orchestrator up --resume {run.root} --detach, or give this job another "
+            "--run-dir")
 
 
 def _point_latest(run_root: Path, run_dir: Path) -> None:
@@ -134,7 +205,7 @@ def _detach(config: Path | None, run: RunDir, overrides: list[str], chaos_kill_a
         console.print(f"[red]error[/red] the supervisor exited with code {code} before it "
                       f"listened; its output ({out_path}):")
         for line in tail:
-            console.print(f"  {line}", markup=False, highlight=False)
+            console.print(f"  {shown(line)}", markup=False, highlight=False)
         return code or 1
     # The daemon writes it too, once it listens; written here as well so that it is there
     # when this command returns.
@@ -171,7 +242,8 @@ def _wait_listening(run: RunDir, proc: subprocess.Popen) -> int | None:
 
 def _foreground(cfg: Config, run: RunDir, resumed: bool,
                 log_format: LogFormat = LogFormat.PLAIN,
-                verbosity: Verbosity = Verbosity.NORMAL) -> int:
+                verbosity: Verbosity = Verbosity.NORMAL, standby: bool = False,
+                advertise_host: str | None = None) -> int:
     from orchestrator.cli.live import setup_logging
     from orchestrator.logs import get_logger
 
@@ -179,7 +251,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
     log = get_logger("orchestrator.cli")
     if resumed:
         _say_resuming(run, log_format)
-    if not resumed and cfg.job.entrypoint is None:
+    if (not resumed or standby) and cfg.job.entrypoint is None:
         try:
             _prepare_data(cfg, show=log_format is LogFormat.RICH)
         except (OSError, ValueError) as exc:
@@ -189,7 +261,8 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
              nodes=cfg.cluster.nodes, procs_per_node=cfg.cluster.procs_per_node,
              spares=cfg.cluster.spares, launcher=cfg.launcher.kind)
     try:
-        state = asyncio.run(_supervise(cfg, run, resumed, log_format, verbosity))
+        state = asyncio.run(_supervise(cfg, run, resumed, log_format, verbosity, standby,
+                                       advertise_host))
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
@@ -230,11 +303,32 @@ def _say_resuming(run: RunDir, log_format: LogFormat) -> None:
 
 async def _supervise(cfg: Config, run: RunDir, resumed: bool,
                      log_format: LogFormat = LogFormat.PLAIN,
-                     verbosity: Verbosity = Verbosity.NORMAL) -> JobState:
-    from orchestrator.cli.live import ConsoleView, follow_job
+                     verbosity: Verbosity = Verbosity.NORMAL, standby: bool = False,
+                     advertise_host: str | None = None) -> JobState:
+    from orchestrator.cli.standby import NothingToLead, lead
     from orchestrator.supervisor.core import Supervisor
 
-    sup = Supervisor(cfg, run, resumed=resumed)
+    # With leader.etcd, nothing is done before this process leads the job (``leader``).
+    try:
+        leadership, cfg, resumed = await lead(cfg, run, resumed, standby)
+    except NothingToLead as done:
+        console.print(f"the job in {run.root} has ended ({done.state.value}): nothing to "
+                      "take over")
+        return done.state
+    try:
+        return await _run_supervisor(Supervisor(cfg, run, resumed=resumed,
+                                                leadership=leadership,
+                                                advertise_host=advertise_host),
+                                     run, log_format, verbosity)
+    finally:
+        if leadership is not None:
+            leadership.stop_keeping()  # the lease lapses: a standby may take over
+
+
+async def _run_supervisor(sup: Any, run: RunDir, log_format: LogFormat,
+                          verbosity: Verbosity) -> JobState:
+    from orchestrator.cli.live import ConsoleView, follow_job
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.request_stop, f"signal {sig.name}")

@@ -13,13 +13,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from orchestrator.config.deploy import DeployConfig
 from orchestrator.health.config import HealthConfig
 from stability.config import StabilityConfig
 from trainer.config import CheckpointConfig, FieldError, TrainerConfig, check_sections
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              # NaN or infinity in a bound or a timeout disables it
+                              allow_inf_nan=False)
 
 
 _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -47,14 +50,22 @@ class JobConfig(Section):
             "so a restart skips importing torch and the trainer (built-in trainer only)."
         ),
     )
+    framework_hooks: bool = Field(
+        True, description="In a script of your own (job.entrypoint), every Lightning, Hugging "
+        "Face or torchtitan Trainer it makes reports its steps (loss, grad norm, LR, "
+        "tokens), phases and saves through the orchestrator's hook "
+        "(orchestrator.worker.hooks), with no code change; false: the script's trainers are "
+        "left as they are (the optimizer-step count still calibrates the hang timeout).")
     run_root: str = Field("runs", description="Where `up` creates run directories.")
     workdir: str | None = Field(
         None,
         description=(
             "Working directory of every rank (created if missing; relative paths are taken "
             "from the agent's directory). `{node_id}` is replaced by the node's id: with the "
-            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files. "
-            "Default: the agent's own working directory, as torchrun does."
+            "local launcher, `work/{node_id}` keeps simulated nodes from sharing files (not "
+            "for a script whose ranks all resume from a snapshot in their working directory: "
+            "they would resume from different steps). Default: the agent's own working "
+            "directory, as torchrun does."
         ),
     )
     master_port: int | None = Field(
@@ -218,21 +229,30 @@ class TimeoutsConfig(Section):
         0.5, gt=0, description="How often ranks and agents send heartbeats."
     )
     node_lost_s: float = Field(10, gt=0, description="An agent silent this long is node_lost.")
+    agent_lease_s: float = Field(
+        60, ge=0, description="An agent that has had no answer from its supervisor this long "
+        "stops its ranks (a node cut off from the supervisor, which replaces it after "
+        "node_lost_s, must not train on beside its replacement: what it writes meanwhile is "
+        "fenced by the checkpoint readers; this bounds how long it can go on). Longer than a "
+        "supervisor restart takes (`up --resume` keeps the ranks training); 0: never.")
     phases: PhaseTimeouts = Field(default_factory=PhaseTimeouts)
     training_floor_s: float = Field(
         30, gt=0, description="Calibrated training timeout never goes below this."
     )
     training_multiplier: float = Field(
-        5.0, gt=1, description="Calibrated training timeout = multiplier x largest recent step."
+        3.0, gt=1, description="Calibrated training timeout = multiplier x the step pace (the "
+        "second-largest of a rank's last 200 step intervals past its warm-up: a slow step "
+        "that does not recur never sets it)."
     )
     training_floor_calibrated_s: float | None = Field(
-        None, gt=0, description="Once calibration_steps step intervals are measured, the "
-        "training timeout's floor comes down from training_floor_s to this (about a second "
-        "finds a hang of a fast-stepping GPU job within 3 step intervals + 2 s); null: the "
+        1.0, gt=0, description="Once calibration_steps step intervals are measured, the "
+        "training timeout's floor comes down from training_floor_s to this (a second finds "
+        "a hang within 3 step intervals + 2 s, a script without the SDK's too); null: the "
         "floor stays where it is (a noisy shared CPU host)."
     )
     calibration_steps: int = Field(
-        20, ge=1, description="Step intervals measured before the floor comes down.")
+        10, ge=1, description="Step intervals measured over the job (past each generation's "
+        "3 warm-up steps, carried across restarts) before the floor comes down.")
     calibration_horizon_steps: int = Field(
         500, ge=1, le=10_000_000, description="The calibrated training timeout follows the "
         "largest step interval of the job's last this many steps: one slow step (a "
@@ -251,6 +271,12 @@ class TimeoutsConfig(Section):
                 "training_floor_calibrated_s",
                 f"training_floor_calibrated_s ({low}) is where the floor comes down to: "
                 f"at most training_floor_s ({self.training_floor_s})")
+        if 0 < self.agent_lease_s <= 2 * self.heartbeat_interval_s:
+            raise FieldError(
+                "agent_lease_s",
+                f"agent_lease_s ({self.agent_lease_s}) must be 0 (no lease) or exceed two "
+                f"heartbeat intervals ({2 * self.heartbeat_interval_s})",
+            )
         if self.node_lost_s <= 2 * self.heartbeat_interval_s:
             raise FieldError(
                 "node_lost_s",
@@ -351,7 +377,7 @@ class ApiConfig(Section):
 
     max_body_mb: float = Field(
         32, gt=0, le=1024,
-        description="Largest request body (a heartbeat carrying 100k step records is ~10 MB).",
+        description="Largest request body (a heartbeat of 1,000 step records is ~200 kB).",
     )
     max_json_depth: int = Field(
         32, ge=4, le=200,
@@ -371,6 +397,12 @@ class ApiConfig(Section):
         3600, gt=0, le=7 * 86400,
         description="Largest step interval a rank may report: the hang timeout calibrates "
         "from it, so a larger one is refused rather than believed.",
+    )
+    max_step_records_per_s: float = Field(
+        2000, gt=0, le=1e6,
+        description="Rank 0's step records the supervisor takes per second (with a burst of "
+        "five seconds' worth): more are dropped and journaled as message_rejected. Each "
+        "record is a line of steps.jsonl; the trainer sends one per step.",
     )
     heartbeat_process: bool = Field(
         False,
@@ -399,6 +431,42 @@ class ApiConfig(Section):
             raise FieldError("tls_key" if self.tls_key is None else "tls_cert",
                              "tls_cert and tls_key go together")
         return self
+
+
+class LeaderConfig(Section):
+    """A standby supervisor: leadership of the job held as an etcd lease
+    (``orchestrator.supervisor.leader``). Empty ``etcd``: one supervisor, no election."""
+
+    etcd: list[str] = Field(
+        default_factory=list,
+        description="etcd client URLs (http://host:2379), tried in turn. Set: every `up` of "
+        "this job campaigns for its lock first; the winner leads, the others (`up --standby "
+        "--run-dir RUN`, the run dir on shared storage) wait and take over when its lease "
+        "lapses.")
+    lease_ttl_s: int = Field(
+        5, ge=2, le=300,
+        description="The leader's etcd lease: a standby takes over about this long after the "
+        "leader stops refreshing it (dies, or is cut off); the leader stops acting once it "
+        "cannot confirm a refresh within it.")
+    key: str | None = Field(
+        None, max_length=200, pattern=r"^[A-Za-z0-9_./-]+$",
+        description="The lock's name in etcd (default: orchestrator/<job.name>).")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="The API URL of every supervisor that may lead (http://head-a:9410, "
+        "http://head-b:9410): agents get them all and try them in turn, so they follow a "
+        "standby that takes over.")
+
+    @field_validator("etcd", "urls")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not re.match(r"^https?://[^\s/,]+(:\d+)?/?$", url):
+                raise ValueError(f"{url!r}: expected http(s)://host[:port]")
+        return v
+
+    def lock_name(self, job: str) -> str:
+        return self.key or f"orchestrator/{job}"
 
 
 class KillSpec(Section):
@@ -444,6 +512,11 @@ class ChaosConfig(Section):
         default_factory=dict,
         description="rank -> seconds added to each of its steps (a straggler).",
     )
+    slow_steps: dict[int, float] = Field(
+        default_factory=dict,
+        description="n -> seconds added to each generation's n-th step on every rank (one "
+        "slow step that does not recur: a recompile, page-locking).",
+    )
 
     @field_validator("slow_ranks")
     @classmethod
@@ -451,6 +524,14 @@ class ChaosConfig(Section):
         for rank, s in v.items():
             if rank < 0 or not math.isfinite(s) or not 0 <= s <= 3600:
                 raise ValueError(f"rank {rank}: {s} s (ranks >= 0, seconds in [0, 3600])")
+        return v
+
+    @field_validator("slow_steps")
+    @classmethod
+    def _slow_steps(cls, v: dict[int, float]) -> dict[int, float]:
+        for n, s in v.items():
+            if n < 1 or not math.isfinite(s) or not 0 <= s <= 3600:
+                raise ValueError(f"step {n}: {s} s (steps >= 1, seconds in [0, 3600])")
         return v
 
 
@@ -470,6 +551,10 @@ class Config(Section):
     stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description="What `orchestrator "
+                                 "deploy` renders (Kubernetes, Slurm, SageMaker); unused by "
+                                 "the job itself.")
+    leader: LeaderConfig = Field(default_factory=LeaderConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

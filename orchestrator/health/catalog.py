@@ -42,6 +42,10 @@ CHECKS: tuple[Check, ...] = (
           "nccom-test all-reduce across the node's NeuronCores (when installed).",
           f"{_NEURON}:check_nccom"),
     # -- host and storage ----------------------------------------------------------------------
+    Check("host.python_modules", _F, _Q, 30, "node",
+          "The optional Python modules the job needs (s3fs for s3://, safetensors, pyarrow, "
+          "...) are installed; a missing one names the extra to install.",
+          f"{_HOST}:check_modules"),
     Check("host.disk", _F, _Q, 30, "node",
           "Free disk on the checkpoint and scratch directories above the floor; both writable.",
           f"{_HOST}:check_disk"),

@@ -46,6 +46,8 @@ class NodeContext(BaseModel):
     shared_fs: SharedFsProbe | None = None
     shared_fs_note: str = ""  # why there is no probe (s3 root, one node, head cannot write)
     job_env: dict[str, str] = Field(default_factory=dict)
+    # Optional module -> what of the job needs it (``orchestrator.extras.needs``).
+    modules: dict[str, str] = Field(default_factory=dict)
     chaos_fail: list[str] = Field(default_factory=list)
     chaos_hang: list[str] = Field(default_factory=list)
 
@@ -54,7 +56,8 @@ def build_node_context(health: HealthConfig, *, nonce: str, node_id: str, level:
                        checks: list[str], accelerator: Accelerator, devices: int,
                        checkpoint_root: str, shared_fs: SharedFsProbe | None = None,
                        shared_fs_note: str = "",
-                       job_env: dict[str, str] | None = None) -> NodeContext:
+                       job_env: dict[str, str] | None = None,
+                       modules: dict[str, str] | None = None) -> NodeContext:
     """A node's context from the ``health`` config section (``{node_id}`` expanded)."""
     scratch = health.scratch_dir.replace("{node_id}", node_id) if health.scratch_dir else None
     return NodeContext(
@@ -64,6 +67,6 @@ def build_node_context(health: HealthConfig, *, nonce: str, node_id: str, level:
         expect_device_name=health.expect_device_name, checkpoint_root=checkpoint_root,
         scratch_dir=scratch, floors=health.floors, memtest_gib=health.memtest_gib,
         matmul_size=health.matmul_size, shared_fs=shared_fs, shared_fs_note=shared_fs_note,
-        job_env=dict(job_env or {}),
+        job_env=dict(job_env or {}), modules=dict(modules or {}),
         chaos_fail=list(health.chaos.fail.get(node_id, [])),
         chaos_hang=list(health.chaos.hang.get(node_id, [])))

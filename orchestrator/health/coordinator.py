@@ -35,6 +35,7 @@ from orchestrator.health.base import (
     passed,
     skipped,
 )
+from orchestrator.extras import needs
 from orchestrator.health.context import SharedFsProbe, build_node_context
 from orchestrator.health.host import is_local, local_path
 from orchestrator.health.network import judge_network
@@ -184,6 +185,7 @@ class HealthCoordinator:
         probe_dir, probe_note = self._shared_fs_dir(nonce, len(nodes))
         cluster = self.ctx.cfg.cluster
         issued = self.ctx.clock.time()
+        modules = {n.module: n.feature for n in needs(self.ctx.cfg)}
         try:
             for node in nodes:
                 probe = None if probe_dir is None else SharedFsProbe(
@@ -193,7 +195,8 @@ class HealthCoordinator:
                     self.cfg, nonce=nonce, node_id=node.node_id, level=level, checks=names,
                     accelerator=cluster.accelerator, devices=cluster.procs_per_node,
                     checkpoint_root=self.ctx.checkpoint_root, shared_fs=probe,
-                    shared_fs_note=probe_note, job_env=self.ctx.cfg.job.env)
+                    shared_fs_note=probe_note, job_env=self.ctx.cfg.job.env,
+                    modules=modules)
                 await self._assign(node, HealthOrder(
                     nonce=nonce, stage="node", context=ctx.model_dump(mode="json"),
                     timeout_s=timeout))
@@ -276,7 +279,8 @@ class HealthCoordinator:
 
         timeout = cfg.timeout_of("network.allreduce") + cfg.timeout_of("network.pairwise")
         master = nodes[0]
-        spec = {"nodes": [n.node_id for n in nodes], "ppn": ppn,
+        spec = {"nodes": [n.node_id for n in nodes], "addrs": [n.addr for n in nodes],
+                "ppn": ppn,
                 "backend": "nccl" if cluster.accelerator == "cuda" else "gloo",
                 "allreduce_mib": cfg.network.allreduce_mib,
                 "pairwise_mib": cfg.network.pairwise_mib, "iters": cfg.network.iters,

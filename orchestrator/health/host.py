@@ -115,13 +115,32 @@ def check_shared_fs(ctx: NodeContext) -> Outcome:
     return passed(f"sees the head's file under {path.parent}")
 
 
+def check_modules(ctx: NodeContext) -> Outcome:
+    """The optional modules the job needs import here (looked up, not imported)."""
+    from orchestrator.extras import MissingExtra, installed
+
+    if not ctx.modules:
+        return skipped("the job needs no optional module")
+    missing = [str(MissingExtra(m, why)) for m, why in ctx.modules.items() if not installed(m)]
+    if missing:
+        return failed("; ".join(missing), missing=sorted(m for m in ctx.modules
+                                                         if not installed(m)))
+    return passed(f"installed: {', '.join(sorted(ctx.modules))}")
+
+
 def check_storage(ctx: NodeContext) -> Outcome:
     """Write 1 MiB under the checkpoint root (path or fsspec URL), read it back, delete it."""
     import fsspec
 
+    from orchestrator.extras import MissingExtra, module_for_url, require_for_url
+
     root = ctx.checkpoint_root
     if not root:
         return skipped("no checkpoint root configured")
+    try:
+        require_for_url(root, f"the checkpoint root {root}")
+    except MissingExtra as exc:
+        return failed(str(exc), missing=[module_for_url(root)])
     fs, base = fsspec.core.url_to_fs(root)
     target = f"{base.rstrip('/')}/.health/{ctx.nonce}-{ctx.node_id}.probe"
     data = os.urandom(_PROBE_BYTES)

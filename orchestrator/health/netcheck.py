@@ -10,6 +10,12 @@ supervisor judges it (``network.judge_network``).
 
 ``delay_s`` in the spec (from ``health.chaos.slow_network``) makes this rank sleep inside
 every timed transfer, standing for a slow NIC: its partner waits for the data just the same.
+
+The bandwidth test needs a process group over every rank, which a partitioned network
+cannot form: first each rank probes its ring partners (``reach``); when a pair cannot reach
+each other, the report is the reachability table (no bandwidth) and the judge names the
+node that cannot reach its peers. A rank that cannot reach the rendezvous store at all
+exits with an error (its node's links show as unreachable in the others' reports).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 from orchestrator import chaos
 from orchestrator.envcontract import read_health_env
 from orchestrator.health.network import ring_rounds
+from orchestrator.health.reach import probe
 
 
 def _timed(op: Any, iters: int, warmup: int, delay_s: float, sync: Any) -> float:
@@ -111,6 +118,13 @@ def summarize(table: list[dict[str, Any]], nodes: list[str], ppn: int,
             "backend": spec["backend"]}
 
 
+def _arrival_s(spec: dict[str, Any]) -> float:
+    """How long after the first rank the others may reach the rendezvous before the probe
+    takes them as cut off: the spread of a Python-with-torch start on busy nodes, within
+    the test's own timeout."""
+    return max(5.0, min(30.0, float(spec["timeout_s"]) / 4))
+
+
 def main() -> int:
     spec, out_dir = read_health_env(os.environ)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -119,11 +133,26 @@ def main() -> int:
     import torch.distributed as dist
 
     start = time.perf_counter()
-    dist.init_process_group(spec["backend"], timeout=timedelta(seconds=spec["timeout_s"]))
-    try:
-        report = measure(spec, rank, world, local)
-    finally:
-        dist.destroy_process_group()
+    timeout = timedelta(seconds=spec["timeout_s"])
+    arrival = _arrival_s(spec)
+    # A rank that cannot reach the rendezvous within the arrival window is cut off: it
+    # says so (its exit) instead of waiting out the whole test.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0, timeout=timedelta(seconds=arrival + 10),
+                          wait_for_workers=False)
+    store.set_timeout(timeout)
+    reach = probe(store, spec, rank, world, local, arrival) if "addrs" in spec else None
+    if reach is not None and not all(lk["reachable"] for lk in reach["links"]):
+        report = {"world_size": world, "allreduce_gbps": None, "partitioned": True,
+                  "links": [{**lk, "gbps": None} for lk in reach["links"]],
+                  "missing_ranks": reach["missing"], "backend": spec["backend"]}
+    else:
+        dist.init_process_group(spec["backend"], store=dist.PrefixStore("pg", store),
+                                rank=rank, world_size=world, timeout=timeout)
+        try:
+            report = measure(spec, rank, world, local)
+        finally:
+            dist.destroy_process_group()
     report["seconds"] = round(time.perf_counter() - start, 3)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -14,6 +14,10 @@ going slow shows in both its links; a link is slow below ``link_relative`` x the
 
 The all-reduce's bus bandwidth (``2 (n-1)/n x size / time``, as nccl-tests reports it) fails
 every participant when it is below its floor and no named node explains it.
+
+A partitioned network (``reach``: some pairs cannot connect at all) has no bandwidth figures:
+an unreachable link counts as slow and below any floor, so a node that reaches none of its
+peers is named, and a single cut link fails both its ends; the all-reduce is not judged.
 """
 
 from __future__ import annotations
@@ -57,23 +61,32 @@ def judge_network(nodes: list[str], measured: dict[str, Any] | None,
                     "network.pairwise": failed("the network test produced no measurement")}
                 for n in nodes}
     links = [lk for lk in measured.get("links", []) if lk["a"] in nodes and lk["b"] in nodes]
-    best = max((lk["gbps"] for lk in links), default=0.0)
+    best = max((lk["gbps"] for lk in links if lk.get("gbps") is not None), default=0.0)
+
+    def cut(lk: dict[str, Any]) -> bool:
+        return lk.get("reachable") is False
 
     def slow(lk: dict[str, Any]) -> bool:
+        if cut(lk) or lk.get("gbps") is None:
+            return cut(lk)
         return (floors.link_gbps is not None and lk["gbps"] < floors.link_gbps) or \
             lk["gbps"] < floors.link_relative * best
 
     def below_floor(lk: dict[str, Any]) -> bool:
-        return floors.link_gbps is not None and lk["gbps"] < floors.link_gbps
+        return cut(lk) or (floors.link_gbps is not None and lk.get("gbps") is not None
+                           and lk["gbps"] < floors.link_gbps)
 
     mine = {n: [lk for lk in links if n in (lk["a"], lk["b"])] for n in nodes}
     named = {n for n, ls in mine.items()
              if len({_peer(lk, n) for lk in ls}) >= 2 and all(slow(lk) for lk in ls)}
     out: dict[str, dict[str, Outcome]] = {}
     for n in nodes:
-        desc = ", ".join(f"to {_peer(lk, n)} {lk['gbps']:.2f} GB/s" for lk in mine[n])
-        details = {"links": {_peer(lk, n): round(lk["gbps"], 3) for lk in mine[n]},
+        desc = ", ".join(f"to {_peer(lk, n)} {_speed(lk)}" for lk in mine[n])
+        details = {"links": {_peer(lk, n): None if lk.get("gbps") is None else
+                             round(lk["gbps"], 3) for lk in mine[n]},
                    "best_link_gbps": round(best, 3)}
+        if any(cut(lk) for lk in mine[n]):
+            details["unreachable"] = sorted(_peer(lk, n) for lk in mine[n] if cut(lk))
         unexplained = [lk for lk in mine[n] if below_floor(lk) and not
                        ({lk["a"], lk["b"]} & named)]
         if n in named:
@@ -81,8 +94,10 @@ def judge_network(nodes: list[str], measured: dict[str, Any] | None,
                           f"{best:.2f} GB/s)", **details)
         elif unexplained:
             peers = ", ".join(_peer(lk, n) for lk in unexplained)
-            pair = failed(f"link to {peers} below the {floors.link_gbps:g} GB/s floor ({desc}); "
-                          "no single node explains it, so both ends fail", **details)
+            floor = "unreachable" if all(cut(lk) for lk in unexplained) else \
+                f"below the {floors.link_gbps:g} GB/s floor"
+            pair = failed(f"link to {peers} {floor} ({desc}); no single node explains it, so "
+                          "both ends fail", **details)
         elif not mine[n]:
             pair = passed("no pairwise link measured (one node)", **details)
         else:
@@ -98,6 +113,9 @@ def judge_network(nodes: list[str], measured: dict[str, Any] | None,
 def _allreduce(measured: dict[str, Any], floors: HealthFloors, named: set[str]) -> Outcome:
     gbps = measured.get("allreduce_gbps")
     world = measured.get("world_size")
+    if measured.get("partitioned"):
+        return passed("not run: some nodes cannot reach each other (network.pairwise names "
+                      "them)", world_size=world)
     if gbps is None:
         return passed(f"no all-reduce: a world of {world} rank(s)", world_size=world)
     details = {"busbw_gbps": round(gbps, 3), "world_size": world}
@@ -109,6 +127,12 @@ def _allreduce(measured: dict[str, Any], floors: HealthFloors, named: set[str]) 
                           f"{', '.join(sorted(named))}", **details)
         return failed(f"{text}, floor {floor:g} GB/s", **details)
     return passed(text, **details)
+
+
+def _speed(link: dict[str, Any]) -> str:
+    if link.get("reachable") is False:
+        return f"unreachable ({link.get('error') or 'no connection'})"[:200]
+    return "not measured" if link.get("gbps") is None else f"{link['gbps']:.2f} GB/s"
 
 
 def _peer(link: dict[str, Any], node: str) -> str:

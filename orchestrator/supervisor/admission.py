@@ -2,15 +2,21 @@
 
 The API server authenticates the node (``orchestrator.auth``), parses the message
 (``orchestrator.protocol``), then asks here whether this node may send it. A node speaks for
-itself and for the ranks of its slice of the newest generation only:
+itself and for the ranks of its slice of the current generation (the newest launched) only:
 
 - every message names the authenticated node (``node_id``); a result of a health check too;
 - ranks it reports (heartbeats, starts, exits, worker events) lie inside the job's world; for
-  the newest launched generation, inside the node's own slice of it (``Slice``, from the
-  journal's ``generation_launched``, so it holds across a supervisor restart and for spares,
-  whose slice is empty); a generation not launched yet is refused (no exit can be sent
-  ahead for a generation to come); an older generation's straggler passes (intake ignores
-  what it no longer needs);
+  the current generation, inside the node's own slice of it (``Slice``, from the journal's
+  ``generation_launched``, so it holds across a supervisor restart and for spares, whose
+  slice is empty); a generation not launched yet is refused (no exit can be sent ahead for
+  a generation to come);
+- generations are fenced: a rank start, a worker event or a step record for any generation
+  but the current one is refused. The one exception is the late report the supervisor asked
+  for when it stopped an older generation: an exit of one of the node's ranks of that
+  generation, or the node's stop confirmation (intake folds neither into the current one);
+- step records are rank 0's (``orchestrator.steprecord``): only the node holding rank 0 of
+  the current generation sends them; and the events that speak for the checkpoints and the
+  restore (``worker_events.RANK0_NAMES``) are rank 0's too;
 - a calibration value (``step_interval_max``) stays under ``limits.max_step_interval_s``;
 - a registration does not move a live node to another address, nor add a node past
   ``limits.max_nodes``.
@@ -21,7 +27,7 @@ reads the supervisor; the server passes in what it knows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from orchestrator.protocol import (
@@ -30,9 +36,14 @@ from orchestrator.protocol import (
     Heartbeat,
     RankExit,
     RanksStarted,
+    RanksStopped,
     RegisterRequest,
     WorkerEvent,
 )
+from orchestrator.worker_events import RANK0_NAMES
+
+# The rank whose step records travel (the worker SDK's default).
+RECORDS_RANK = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,14 @@ class Slice:
     generation: int
     lo: int = 0
     hi: int = 0
+
+
+# The node's slice in an older generation (None: it was not in it, or no such launch).
+PastSlice = Callable[[int], "Slice | None"]
+
+
+def _no_past(generation: int) -> Slice | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -95,11 +114,27 @@ def check_heartbeat(principal: str, hb: Heartbeat, current: Slice | None,
     refusal = check_node_id(principal, hb.node_id)
     if refusal is not None:
         return refusal
+    if hb.records:
+        refusal = _records(principal, hb.generation, current)
+        if refusal is not None:
+            return refusal
     return _ranks(principal, hb.generation, hb.ranks, current, limits)
 
 
+def _records(principal: str, generation: int | None, current: Slice | None,
+             ) -> Refusal | None:
+    if current is None or generation != current.generation:
+        return _forged(f"node {principal}: step records of generation {generation}; the "
+                       f"current generation is {None if current is None else current.generation}")
+    if not current.lo <= RECORDS_RANK < current.hi:
+        mine = f"{current.lo}..{current.hi - 1}" if current.hi > current.lo else "none"
+        return _forged(f"node {principal}: step records are rank {RECORDS_RANK}'s; its ranks "
+                       f"in generation {current.generation} are {mine}")
+    return None
+
+
 def check_events(principal: str, batch: EventBatch, current: Slice | None,
-                 limits: Limits) -> Refusal | None:
+                 limits: Limits, past: PastSlice = _no_past) -> Refusal | None:
     refusal = check_node_id(principal, batch.node_id)
     if refusal is not None:
         return refusal
@@ -110,17 +145,36 @@ def check_events(principal: str, batch: EventBatch, current: Slice | None,
                 return _forged(f"node {principal} reported health results of another node "
                                f"(event {i})")
             continue
+        what = f"event {i} ({ev.type})"
         if isinstance(ev, RankExit | WorkerEvent):
             ranks: Iterable[int] = (ev.rank,)
         elif isinstance(ev, RanksStarted):
             ranks = (r.rank for r in ev.ranks)
         else:  # RanksStopped: names no rank, but a generation
             ranks = ()
-        refusal = _rank_numbers(principal, ev.generation, ranks, current, limits,
-                                what=f"event {i} ({ev.type})")
+        if isinstance(ev, WorkerEvent) and ev.name in RANK0_NAMES and ev.rank != 0:
+            return _forged(f"node {principal}: {what} {ev.name!r} is rank 0's to send, not "
+                           f"rank {ev.rank}'s")
+        if current is not None and ev.generation < current.generation:
+            refusal = _late(principal, ev, past(ev.generation), current, limits, what)
+        else:
+            refusal = _rank_numbers(principal, ev.generation, ranks, current, limits, what)
         if refusal is not None:
             return refusal
     return None
+
+
+def _late(principal: str, ev: RankExit | RanksStarted | RanksStopped | WorkerEvent,
+          then: Slice | None, current: Slice, limits: Limits, what: str) -> Refusal | None:
+    """An event of an older generation: only an exit of the node's own rank in it, or its
+    stop confirmation, both reports the stop of that generation asked for."""
+    fenced = _forged(f"node {principal}: {what} for generation {ev.generation}, not the "
+                     f"current generation {current.generation}")
+    if then is None or not isinstance(ev, RankExit | RanksStopped):
+        return fenced
+    if isinstance(ev, RankExit):
+        return _rank_numbers(principal, ev.generation, (ev.rank,), then, limits, what)
+    return None if then.hi > then.lo else fenced
 
 
 def _ranks(principal: str, generation: int | None, infos: Iterable, current: Slice | None,

@@ -9,17 +9,18 @@ once), so a refresh costs only the new lines plus a snapshot.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orchestrator import readback
 from orchestrator.books import Books, Ledger
 from orchestrator.clock import Clock
 from orchestrator.events import Envelope, parse_event
 from orchestrator.logs import get_logger
 from orchestrator.rundir import RunDir
+from orchestrator.steprecord import StepRecord, parse_stored_line
 from orchestrator.supervisor.metrics import SupervisorMetrics
 
 # How often the live books are refreshed: well under the usual 15 s scrape interval, and a
@@ -52,12 +53,12 @@ class LineFollower:
 
 
 def parse_line(line: bytes) -> dict[str, Any] | None:
-    """A line's JSON object; None for a garbled line (skipped, as the journal reader does)."""
+    """A journal line's JSON object; None for a line the bounded reader cannot take
+    (skipped, as the journal reader does)."""
     try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        return readback.loads_object(line, readback.JOURNAL)
+    except readback.Unreadable:
         return None
-    return obj if isinstance(obj, dict) else None
 
 
 class BookKeeper:
@@ -85,7 +86,7 @@ class BookKeeper:
                                    at_last_event=True)
 
     def refresh(self, on_event: Callable[[Envelope], None] | None = None,
-                on_record: Callable[[dict[str, Any]], None] | None = None,
+                on_record: Callable[[StepRecord], None] | None = None,
                 at_last_event: bool = False) -> Ledger:
         """Fold the new lines (journal first: a generation's launch precedes its records),
         snapshot at now, and bring the metrics' counters up to the books."""
@@ -112,17 +113,21 @@ class BookKeeper:
         self._backlog.extend(("steps", raw) for raw in self._steps.new_raw())
 
     def _fold(self, count: int, on_event: Callable[[Envelope], None] | None,
-              on_record: Callable[[dict[str, Any]], None] | None) -> None:
+              on_record: Callable[[StepRecord], None] | None) -> None:
         backlog = self._backlog
         for _ in range(min(count, len(backlog))):
             source, line = backlog.popleft()
+            if source == "steps":
+                stored = parse_stored_line(line)
+                if stored is None:
+                    continue
+                generation, rec = stored
+                self.books.add_record({**rec, "generation": generation})
+                if on_record is not None:
+                    on_record(rec)
+                continue
             raw = parse_line(line)
             if raw is None:
-                continue
-            if source == "steps":
-                self.books.add_record(raw)
-                if on_record is not None:
-                    on_record(raw)
                 continue
             event, _ = parse_event(raw)
             if event is None:  # the journal's readers report such lines; books skip them
@@ -136,7 +141,10 @@ class BookKeeper:
         if at_last_event and self.books.last_ts is not None:
             now = min(now, self.books.last_ts)
         self.ledger = self.books.snapshot(now)
-        self.metrics.set_books(self.ledger.seconds, self.ledger.goodput)
+        windows = self.books.windows
+        live = bool(windows) and windows[-1].end is None
+        self.metrics.set_books(self.ledger.seconds, self.ledger.goodput,
+                               hold=("failure_detection",) if live else ())
         return self.ledger
 
     async def run(self, every_s: float = REFRESH_S) -> None:

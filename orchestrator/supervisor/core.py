@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from orchestrator import events as ev
+from orchestrator.allocation import mismatch as allocation_mismatch
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
 from orchestrator.envcontract import read_token
@@ -36,6 +37,7 @@ from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.gcpolicy import long_lived_heap
 from orchestrator.supervisor.generation import GenerationParts
 from orchestrator.supervisor.intake import Intake
+from orchestrator.supervisor.leader import Leadership
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.outcome import JobFailed, Outcome
@@ -69,7 +71,8 @@ class Supervisor:
     def __init__(self, cfg: Config, run: RunDir, *, clock: Clock = SYSTEM_CLOCK,
                  registry: CollectorRegistry | None = None,
                  launcher: Launcher | None = None, resumed: bool = False,
-                 health_only: Level | None = None) -> None:
+                 health_only: Level | None = None, leadership: Leadership | None = None,
+                 advertise_host: str | None = None) -> None:
         self.cfg = cfg
         self.health_only = health_only  # `orchestrator health`: stop after HEALTH_CHECK
         self.rundir = run
@@ -81,8 +84,14 @@ class Supervisor:
         self.journal = Journal(run.journal, clock=clock.time)
         self.metrics = SupervisorMetrics(registry or CollectorRegistry(), cfg.job.name)
         self.metrics.set_info(cfg.trainer.model.preset, cfg.cluster.accelerator)
+        growth = cfg.stability.growth
+        self.metrics.set_thresholds(growth.ratio if growth.enabled else None)
         self.books = BookKeeper(run, self.metrics, clock)  # replays the run dir into metrics
-        self.recorder = Recorder(self.journal, view, self.metrics)
+        # With a standby: this process leads (its term's epoch on every order) until
+        # ``leadership`` says otherwise; then it writes and orders nothing more.
+        self.leadership = leadership
+        guard = leadership.check if leadership is not None else None
+        self.recorder = Recorder(self.journal, view, self.metrics, guard)
         self.checkpoint_root = run.checkpoint_root(cfg.checkpoint.url)
         self.ctx = JobContext(cfg, run, clock, self.recorder, self.log, self.checkpoint_root)
         self.policy = RestartPolicy(cfg.restart)
@@ -94,6 +103,8 @@ class Supervisor:
         # How late our own loop is: silences are judged without that time (deadlines).
         self.lag = LoopLag(clock, on_late=self._late)
         self.nodes = NodeRegistry(clock, self.record, self.metrics.set_nodes, lag=self.lag)
+        if leadership is not None and leadership.term is not None:
+            self.nodes.epoch, self.nodes.guard = leadership.term.epoch, guard
         self.stability = StabilityHook(self.ctx)
         self.health = HealthCoordinator(self.ctx, self.nodes, self.stop_requested)
         self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report)
@@ -102,7 +113,8 @@ class Supervisor:
         self.profiles = ProfileDesk(self.ctx, self.nodes, self.intake)
         self.selection = NodeSelection(self.ctx, self.intake, self.health, self.launcher,
                                        self.agent_spec, self.stop_requested)
-        self.advertise_host = cfg.launcher.advertise_host or _default_advertise_host(cfg)
+        self.advertise_host = advertise_host or cfg.launcher.advertise_host or \
+            _default_advertise_host(cfg)
         self.url = ""
 
     @property
@@ -177,12 +189,15 @@ class Supervisor:
                 self.log.warning("journal lines skipped", lines=self.journal_skipped.lines,
                                  reasons=self.journal_skipped.reasons[:5])
             self.record(ev.SupervisorStarted(pid=os.getpid(), url=self.url,
-                                             resumed=self.resumed, gap_s=gap), durable=True)
+                                             resumed=self.resumed, gap_s=gap,
+                                             epoch=self.nodes.epoch or None), durable=True)
             if self.resumed and self.view.state is JobState.STOPPED:
                 # The operator continues a stopped job: a new segment, fresh agents, from
                 # the newest checkpoint; the books leave the stopped time out.
                 self.transition(JobState.PENDING, reason="continued by the operator "
                                 "(up --resume)")
+            if self.view.state is JobState.PENDING:
+                self._refuse_misfit(allocation_mismatch(self.cfg, os.environ))
             if not self.view.state.terminal:
                 await self._drive()
         finally:
@@ -194,6 +209,8 @@ class Supervisor:
             self.stability.save_cache()
             await server.stop()
             self.journal.close()
+            if self.leadership is not None and self.view.state.terminal:
+                await self.leadership.resign()
         return self.view.state
 
     def _listen_port(self) -> int:
@@ -218,7 +235,11 @@ class Supervisor:
     def agent_spec(self) -> AgentSpec:
         from orchestrator.launchers.base import default_python
 
-        return AgentSpec(self.url, self.token, self.rundir, default_python(self.cfg))
+        # Every supervisor that may lead, this one first: agents follow a standby that takes
+        # over (``agent.client``).
+        heads = [self.url, *(u.rstrip("/") for u in self.cfg.leader.urls
+                             if u.rstrip("/") != self.url)]
+        return AgentSpec(",".join(heads), self.token, self.rundir, default_python(self.cfg))
 
     # -- the template loop ---------------------------------------------------------------
     async def _drive(self) -> None:
@@ -233,7 +254,13 @@ class Supervisor:
             JobState.STOPPING: self._on_stopping,
             JobState.RECOVERING: self._on_recovering,
         }
-        await self.launcher_start()
+        try:
+            await self.launcher_start()
+        except RuntimeError as exc:  # a launcher that cannot start here (srun, an allocation)
+            if self.view.state is not JobState.PENDING:
+                raise
+            self._refuse_misfit(str(exc))
+            return
         # A restarted supervisor finds its job mid-generation: re-attach before observing.
         carry: Any = _ADOPT if self.resumed and self.view.state in (
             JobState.LAUNCHING, JobState.RUNNING, JobState.STOPPING) else None
@@ -249,6 +276,16 @@ class Supervisor:
                 raise RuntimeError(f"no way out of {state.value}")  # a bug: never swallowed
             self.transition(nxt.state, cause=nxt.cause, reason=nxt.reason, delay_s=nxt.delay_s)
             carry = nxt.carry
+
+    def _refuse_misfit(self, problem: str | None) -> None:
+        """A config that does not fit where the job runs (the allocation's size, a launcher
+        that cannot start): a ``config`` failure in the journal and FAILED, before anything
+        starts; a restart cannot fix it (never a traceback, never a PENDING job left)."""
+        if not problem:
+            return
+        self.record(ev.Failure(cause=Cause.CONFIG, message=problem[:4096]), durable=True)
+        self.log.error("the job does not fit where it runs", reason=problem)
+        self.transition(JobState.FAILED, cause=Cause.CONFIG, reason=problem)
 
     def _operator_stop(self, state: JobState, always: bool = False) -> Next | None:
         """The move an operator's stop makes from ``state`` (None when none was asked for).
@@ -272,7 +309,12 @@ class Supervisor:
                 spawned[env.event.node_id] = env.event.pid
             elif isinstance(env.event, ev.Transition) and env.event.to is JobState.PENDING:
                 spawned = {}  # a continued job's agents were told to exit: start anew
-        if spawned:
+        if spawned and self.leadership is not None:
+            # A standby taking over (maybe on another host): the agent pids in the journal
+            # are not ours to judge; the agents find this supervisor on their own, and one
+            # that does not is a lost node like any other.
+            await self.launcher.adopt(self.agent_spec(), {})
+        elif spawned:
             await self.launcher.adopt(self.agent_spec(), spawned)
         else:
             await self.launcher.start(self.agent_spec())

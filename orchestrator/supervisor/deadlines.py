@@ -70,6 +70,10 @@ class OldestFirst(Generic[K]):
         already found the oldest past a limit)."""
         return sum(1 for t in self._at.values() if t < at)
 
+    def items(self) -> list[tuple[K, float]]:
+        """Every key with its time (a copy, in no order)."""
+        return list(self._at.items())
+
     def __len__(self) -> int:
         return len(self._at)
 

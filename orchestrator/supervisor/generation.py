@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,7 @@ class GenerationParts:
                 "replace": [r for r in replace or [] if node_rank * ppn <= r <
                             (node_rank + 1) * ppn]}
         view = self.ctx.view
-        after = view.failures[-1]["cause"] if view.failures else None
+        after = view.ended_by if generation > 1 else None
         # Checked (its 2,048 assignments walked by the JSON bounds: 0.13 s at 2,048 nodes)
         # in a thread, so the loop keeps serving beats meanwhile; nothing else holds
         # ``assignments`` until it is journaled.
@@ -126,9 +127,10 @@ class GenerationParts:
         return "trainer.standby:prepare"
 
     def entrypoint(self) -> list[str]:
-        if self.cfg.job.entrypoint:
-            return list(self.cfg.job.entrypoint)
         from orchestrator.launchers.base import default_python
+
+        if self.cfg.job.entrypoint:
+            return own_python(list(self.cfg.job.entrypoint), default_python(self.cfg))
 
         # -P: the rank's working directory (a user's `trainer.py`, say) cannot shadow ours.
         return [default_python(self.cfg), "-P", "-m", "trainer"]
@@ -165,11 +167,13 @@ class GenerationParts:
                 skip_windows=self.ctx.view.skip_windows, lr_scale=self.ctx.view.lr_scale,
                 # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
                 resume_max_step=resume_max,
-                collective_timeout_s=collective_timeout_s(self.cfg.timeouts,
-                                                          self.intake.training_timeout),
+                collective_timeout_s=collective_timeout_s(
+                    self.cfg.timeouts, self.intake.training_timeout,
+                    own_script=self.cfg.job.entrypoint is not None),
                 chaos=self.intake.chaos.plan(),
                 in_job_wait_s=self.cfg.restart.in_job_wait_s if self.cfg.restart.in_job
                 else None,
+                run_id=self.ctx.view.run_id, lineage=self.ctx.view.lineage(generation),
             ).to_env(),
         }
 
@@ -257,11 +261,14 @@ class GenerationParts:
         limit = self.cfg.timeouts.stop_checkpoint_s
         if limit <= 0:
             return "no final checkpoint (timeouts.stop_checkpoint_s is 0)"
-        if self.cfg.job.entrypoint:
-            # A script of the user's own has no handler for the request: SIGUSR2 would
-            # end it. It saves on its own schedule.
-            return "no final checkpoint (job.entrypoint is a script of your own)"
         before = self.ctx.view.newest_checkpoint_step
+        if self.cfg.job.entrypoint and (not self.cfg.job.framework_hooks or before is None):
+            # A script of the user's own answers the request only through a framework hook
+            # (orchestrator.worker.hooks), and a script that has committed a checkpoint
+            # through the orchestrator has one; any other saves on its own schedule (the
+            # request would only set a flag it never reads).
+            return "no final checkpoint (job.entrypoint is a script of your own that has " \
+                   "committed no checkpoint through a framework hook)"
         for node in self.nodes.active():
             if node.node_rank is None or node.state is not NodeState.ACTIVE:
                 continue
@@ -362,3 +369,17 @@ def written_since(folder: str, seen: frozenset[str]) -> set[str]:
         except OSError:
             continue  # removed meanwhile, or not readable: not a stack file for us
     return fresh
+
+
+_BARE_PYTHON = re.compile(r"python(3(\.\d+)?)?")
+
+
+def own_python(argv: list[str], python: str) -> list[str]:
+    """A bare ``python``/``python3`` entrypoint runs on the orchestrator's own interpreter
+    (``launcher.python``, else the one running it), as torchrun starts scripts with its own
+    ``sys.executable``: looked up on the ranks' PATH it can be another Python without the
+    orchestrator (an unactivated venv: every rank died in the preload hook). A path is kept
+    as given."""
+    if argv and _BARE_PYTHON.fullmatch(argv[0]):
+        return [python, *argv[1:]]
+    return argv

@@ -7,23 +7,28 @@ the case to catch.
 
 The training timeout calibrates itself::
 
-    timeout = max(floor, training_multiplier * largest recent step interval)
+    timeout = max(floor, training_multiplier * pace)
 
-where the floor starts at ``training_floor_s`` (high: the first steps of a job say little of
-its pace) and, with ``training_floor_calibrated_s`` set, comes down to that value once
+where the pace is what each rank's SDK measures (``orchestrator.pace``: the second-largest of
+its last 200 step intervals past its generation's warm-up, so one slow step that does not
+recur never calibrates it), the smallest of the ranks' (they step in lockstep: a rank's wait
+for a peer's save is no step time), the largest reported over the job's last
+``calibration_horizon_steps`` step intervals, the value carried over from earlier
+generations through the journal's ``calibration`` events counting as measured when this
+supervisor started. The floor starts at ``training_floor_s`` (high: the first steps of a job
+say little of its pace) and comes down to ``training_floor_calibrated_s`` once
 ``calibration_steps`` step intervals have been measured (this generation's and earlier
-ones', carried in the journal): a 0.2 s step then has its hang found in about a second, not
-in the fixed floor's 30 (issue 14's target: within 3 x the step interval + 2 s).
+ones'): a 0.2 s step then has its hang found within 3 x the step interval + 2 s, not after
+the fixed floor's 30.
 
-where the largest recent interval is the maximum, over the job's last
-``calibration_horizon_steps`` step intervals, of each rank's largest interval over its last 50
-steps (reported in its beats), the value carried over from earlier generations through the
-journal's ``calibration`` events counting as measured when this supervisor started. Steps a
-rank's SDK was told are disturbed by work beside them (buffers page-locked in the
-background) are not measured, and run in the ``loading`` phase. Until any interval is known (the first steps of a job),
-the ``init`` phase's timeout applies. A checkpoint's blocking part runs in the
-``checkpointing`` phase with its own timeout, and a slow first step runs in ``init`` (the SDK
-switches a rank to ``training`` at its first ``step_done``), so neither trips the training
+A rank within its generation's warm-up (its first ``WARMUP_STEPS`` step intervals, which its
+SDK does not measure) is judged by at least the start-up floor: a restart's compile and
+page-locking are no hang, whatever the tight value carried from before. Steps a rank's SDK was
+told are disturbed by work beside them (buffers page-locked in the background) are not
+measured either, and run in the ``loading`` phase. Until any interval is known (the first
+steps of a job), the ``init`` phase's timeout applies. A checkpoint's blocking part runs in
+the ``checkpointing`` phase with its own timeout, and a slow first step runs in ``init`` (the
+SDK switches a rank to ``training`` at its first ``step_done``), so neither trips the training
 timeout. The fixed ``timeouts.phases.training`` overrides calibration when set.
 """
 
@@ -33,7 +38,7 @@ import collections
 from dataclasses import dataclass
 
 from orchestrator.config.schema import TimeoutsConfig
-from orchestrator.supervisor.progress import GenerationProgress, RankProgress
+from orchestrator.supervisor.progress import BUSY_PHASES, GenerationProgress, RankProgress
 
 # A new calibration is journaled only when the timeout moves by more than this fraction,
 # so a job's journal gets a handful of these, not one per heartbeat.
@@ -67,13 +72,11 @@ class Suspect:
 class TrainingTimeout:
     """The calibrated training timeout, carried across generations.
 
-    Its interval is the largest the ranks reported over the last ``calibration_horizon_steps``
-    step intervals of the job, not the largest ever: a slow step (a restart's warm-up, a
-    background allocation the SDK was not told of) raises the timeout for that long, then
-    drops out. Before forgetting was added, one 4 s step after a restart kept a 0.2 s-step
-    job's timeout at 12 s for good, and a SIGSTOPped rank was found in 12.5 s instead of
-    2.7 (issue 14, 2 x H200). The value carried from earlier generations (the journal's
-    last ``calibration``) counts as measured at the start of this supervisor's run.
+    Its interval is the largest pace the ranks reported over the last
+    ``calibration_horizon_steps`` step intervals of the job, not the largest ever: a slower
+    pace (a restart on a slower node) raises the timeout for that long, then drops out. The
+    value carried from earlier generations (the journal's last ``calibration``) counts as
+    measured at the start of this supervisor's run.
     """
 
     def __init__(self, cfg: TimeoutsConfig, carried_max_interval: float | None,
@@ -87,6 +90,7 @@ class TrainingTimeout:
         if carried_max_interval:
             self._history.append((self._carried, carried_max_interval))
         self._journaled: float | None = self.value() if carried_max_interval else None
+        self._journaled_intervals = self._carried
 
     @property
     def max_interval(self) -> float | None:
@@ -98,13 +102,13 @@ class TrainingTimeout:
         return max((v for _, v in self._history), default=None)
 
     def observe(self, gen: GenerationProgress) -> None:
-        """What ``gen``'s ranks report now: its intervals measured and the largest of them."""
+        """What ``gen``'s ranks report now: its intervals measured and its pace."""
         first, last = gen.first_step, gen.last_step
         if first is not None and last is not None and 0 <= first <= last:
             count = last - first
             if count > self._by_generation.get(gen.generation, 0):
                 self._by_generation[gen.generation] = count
-        interval = gen.interval_max
+        interval = gen.pace
         if interval is not None and interval > 0 and \
                 (not self._history or self._history[-1][1] != interval):
             self._history.append((self.intervals, interval))
@@ -132,19 +136,30 @@ class TrainingTimeout:
         return max(self.floor(), self.cfg.training_multiplier * interval)
 
     def needs_journal(self) -> bool:
-        """True once the value moved enough since it was last journaled."""
+        """True once the value moved enough since it was last journaled, or while the floor
+        is still up, once more intervals were measured: a restart carries the count from
+        the journal, and a generation killed before the floor came down must not make the
+        next one measure its intervals again."""
         if self.max_interval is None:
             return False
         now = self.value()
-        if self._journaled is None or abs(now - self._journaled) > _JOURNAL_CHANGE * \
-                self._journaled:
-            self._journaled = now
+        counting = self._journaled_intervals < self.cfg.calibration_steps \
+            and self.intervals > self._journaled_intervals
+        if self._journaled is None or counting or abs(now - self._journaled) > \
+                _JOURNAL_CHANGE * self._journaled:
+            self._journaled, self._journaled_intervals = now, self.intervals
             return True
         return False
 
 
-def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTimeout) -> float:
+def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTimeout,
+                  warming: bool = False) -> float:
+    """The timeout of ``phase``; ``warming``: a rank within its generation's first step
+    intervals (``orchestrator.pace.WARMUP_STEPS``), which its SDK does not measure, gets at
+    least the start-up floor, not the tight value an earlier generation calibrated."""
     if phase == "training":
+        if warming and cfg.phases.training is None:
+            return max(cfg.training_floor_s, training.value())
         return training.value()
     return float(getattr(cfg.phases, phase or "init", None) or cfg.phases.init)
 
@@ -180,29 +195,37 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
         suspect = _check(rp, cfg, training, now)
         if suspect is not None:
             hung.append(suspect)
-    if hung and _a_peer_is_busy(gen, cfg, training, now):
-        # Synchronous training: a rank blocked in ``training`` waits for a peer that is
-        # loading, compiling or checkpointing (an in-job replacement page-locking its
-        # buffers after its first step, a blocking save), and that peer's own phase
-        # timeout judges the wait. A rank that stopped beating is still named.
-        hung = [s for s in hung if s.silent or s.phase != "training"]
+    if hung and not all(s.silent for s in hung):
+        # A rank still beating that waits past the training timeout while a peer is in a
+        # longer phase (rank 0 of a script saving or evaluating alone, the others blocked in
+        # their next collective) waits for that peer: it is not hung, until a training
+        # timeout after the peer left that phase (its step reaches us a beat later). The
+        # busy peer is judged by its own phase's timeout; a rank that stopped beating is
+        # named as ever.
+        busy = _busy_peer(gen, cfg, training, now)
+        ended = gen.busy_ended
+        hung = [s for s in hung if s.silent or s.phase != "training" or not (
+            busy or (ended is not None and now - ended <= s.timeout_s))]
     if hung:
         hung.extend(_silent_peers(hung, gen, cfg, training, now))
     hung.sort(key=lambda s: (not s.silent, s.step if s.step is not None else -1, -s.idle_s))
     return hung
 
 
-def _a_peer_is_busy(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
-                    now: float) -> bool:
-    """Whether some rank is beating in a phase other than ``training`` (and ``finishing``)
-    within that phase's timeout: the others' collectives wait for it."""
+def _busy_peer(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
+               now: float) -> bool:
+    """Whether a rank that still beats is in a busy phase within its timeout."""
     quiet = max(3 * cfg.heartbeat_interval_s, 1.0)
-    for rp in gen.ranks.values():
-        if rp.phase in ("loading", "compiling", "checkpointing", "evaluating") and \
-                rp.progress_seen is not None and rp.beat_received is not None and \
-                now - rp.beat_received <= quiet and \
-                now - rp.progress_seen <= phase_timeout(cfg, rp.phase, training):
-            return True
+    for phase in BUSY_PHASES:
+        ranks = gen.idle.get(phase)
+        if ranks is None:
+            continue
+        for rank, since in ranks.items():
+            rp = gen.ranks.get(rank)
+            if rp is not None and rp.beat_received is not None \
+                    and now - rp.beat_received <= quiet \
+                    and now - since <= phase_timeout(cfg, phase, training):
+                return True
     return False
 
 
@@ -226,8 +249,8 @@ def _silent_peers(hung: list[Suspect], gen: GenerationProgress, cfg: TimeoutsCon
         if floor is not None and (rp.step is None or rp.step > floor):
             continue
         peers.append(Suspect(rp.rank, rp.phase or "init", rp.step, now - rp.progress_seen,
-                             now - rp.beat_received, phase_timeout(cfg, rp.phase, training),
-                             silent=True))
+                             now - rp.beat_received,
+                             phase_timeout(cfg, rp.phase, training, rp.warming), silent=True))
     return peers
 
 
@@ -235,7 +258,7 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
            now: float) -> Suspect | None:
     if rp.progress_seen is None:
         return None
-    limit = phase_timeout(cfg, rp.phase, training)
+    limit = phase_timeout(cfg, rp.phase, training, rp.warming)
     if rp.finished:
         # Past its last step and tearing down (process groups, interpreter exit), whatever
         # phase a script of its own last reported: the finishing phase's timeout.
@@ -254,14 +277,25 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
     return Suspect(rp.rank, rp.phase or "init", rp.step, idle, beat_age, limit, silent)
 
 
-def collective_timeout_s(cfg: TimeoutsConfig, training: TrainingTimeout) -> float:
-    """torch.distributed's timeout: above every hang timeout, so we act first.
+def collective_timeout_s(cfg: TimeoutsConfig, training: TrainingTimeout,
+                         own_script: bool = False) -> float:
+    """torch.distributed's timeout: above every hang timeout that can judge the ranks, so we
+    act first.
 
     The orchestrator dumps stacks and names the stuck rank; a collective that times out
     first would only kill the rank with a less useful error. It is a backstop, never NCCL's
-    ten-minute default.
+    ten-minute default. The built-in trainer reports every phase, so the longest phase
+    timeout counts (compiling's 1,800 s by default). A script of the user's own is judged by
+    liveness before its first step and by the training timeout after it (the preload hook
+    reports no loading, compiling or checkpointing phase): the start-up phase, the training
+    and finishing timeouts and the node-loss silence bound it (360 s by default), not gloo's
+    30 minutes. A script that reports longer phases through the SDK and waits in a collective
+    meanwhile passes its own ``timeout=`` to ``init_process_group`` (kept as given).
     """
     phases = cfg.phases
-    longest = max(phases.init, phases.loading, phases.compiling, phases.checkpointing,
-                  phases.evaluating, phases.finishing, training.value())
+    if own_script:
+        longest = max(phases.init, phases.finishing, cfg.node_lost_s, training.value())
+    else:
+        longest = max(phases.init, phases.loading, phases.compiling, phases.checkpointing,
+                      phases.evaluating, phases.finishing, cfg.node_lost_s, training.value())
     return longest + 60.0

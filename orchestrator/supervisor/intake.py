@@ -39,9 +39,11 @@ from orchestrator.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import Suspect, TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
-from orchestrator.supervisor.outcome import Outcome
+from orchestrator.supervisor.outcome import Outcome, exit_reason
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.recordgate import RecordGate
+from orchestrator.supervisor.resumes import RESUME_EVENT, ResumeCheck
 from orchestrator.supervisor.stability import StabilityHook
 from orchestrator.supervisor.stragglers import StragglerWatch
 
@@ -73,7 +75,10 @@ class Intake:
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         # Beats stamped and hangs judged on the service clock (``deadlines.LoopLag``).
         self.progress = ProgressTracker(ctx.rundir.steps, nodes.judge_clock, ctx.record)
+        self.record_gate = RecordGate(ctx.cfg.api.max_step_records_per_s,
+                                      nodes.judge_clock.monotonic)
         self.stragglers = StragglerWatch(ctx)
+        self.resumes = ResumeCheck()
         self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
                                  ctx.view.chaos_fired)
         self.generation: int | None = None
@@ -82,6 +87,9 @@ class Intake:
         self._started_count = 0  # sum of len(started[...]), kept as it changes
         self.exits: dict[int, dict[str, Any]] = {}
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
+        # Nodes that said they run a generation older than the newest launched (a node that
+        # was lost and came back with its ranks): told to stop them at the next tick.
+        self.superseded: set[str] = set()
         self._config_json: dict[str, Any] | None = None
         self.running_since: float | None = None
         self.training_timeout = TrainingTimeout(
@@ -105,6 +113,7 @@ class Intake:
             if previous is not None and previous.state == NodeState.ACTIVE.value:
                 self.nodes.move(node, NodeState.ACTIVE, reason="active before the "
                                 "supervisor restart", node_rank=previous.node_rank)
+        self._note_superseded(node, req.generation)
         if req.generation is not None and req.generation == self.generation:
             # Re-registration mid-generation (supervisor restart, network blip): the ranks
             # it reports alive count as started; exits it holds arrive as queued events.
@@ -121,22 +130,41 @@ class Intake:
             self._config_json = self.cfg.model_dump(mode="json")
         return RegisterResponse(node_id=req.node_id, job=self.cfg.job.name,
                                 config=self._config_json,
-                                heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s)
+                                heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s,
+                                epoch=self.nodes.epoch)
+
+    def _note_superseded(self, node: NodeRecord, generation: int | None) -> None:
+        """A node whose ranks run a generation older than the newest launched was lost
+        and is back: it never rejoins that generation (its peers have moved on)."""
+        if generation is not None and generation < self.ctx.view.generation \
+                and self._told_to_run_old(node):
+            self.superseded.add(node.node_id)
+
+    def _told_to_run_old(self, node: NodeRecord) -> bool:
+        """Its assignment still runs (or stops) an old generation: not yet told otherwise
+        (an active node told to run the newest one is on its way there)."""
+        a = node.assignment
+        return a.action in ("run", "stop") and a.generation != self.ctx.view.generation
 
     def on_heartbeat(self, hb: Heartbeat) -> dict[str, Any]:
         node = self.nodes.heartbeat(hb.node_id, hb.generation, hb.free_port, hb.ranks)
         if node is None:
             raise UnknownNode(hb.node_id)
+        self._note_superseded(node, hb.generation)
         self.progress.on_ranks(hb.generation, hb.ranks)
         if hb.generation is not None and hb.generation == self.generation:
             self.stragglers.on_ranks(hb.node_id, hb.ranks)
-        if hb.records:
-            accepted = self.progress.on_records(hb.generation, hb.records)
-            if accepted:  # rank 0's records of the running generation only
-                for rec in hb.records:
+        gen = self.progress.current
+        if hb.records and gen is not None and hb.generation == gen.generation:
+            # Admission let only rank 0's node send them, for the current generation.
+            taken = self.record_gate.take(gen.generation, hb.records)
+            if taken.over_rate:
+                self.reject(hb.node_id, "heartbeat", f"{taken.over_rate} step records past "
+                            f"api.max_step_records_per_s ({self.record_gate.per_s:g}) dropped")
+            if taken.records and self.progress.on_records(gen.generation, taken.records):
+                for rec in taken.records:
                     self.ctx.metrics.on_record(rec)
-                if hb.generation is not None:
-                    self.stability.on_records(hb.generation, hb.records)
+                self.stability.on_records(gen.generation, taken.records)
         return {"assignment_version": node.assignment.version}
 
     def on_events(self, batch: EventBatch) -> None:
@@ -181,6 +209,7 @@ class Intake:
         self.running_since = None
         known = adopting and generation in self.ctx.view.first_steps
         self.progress.start_generation(generation, world_size, first_step_known=known)
+        self.resumes.begin(generation)
 
     async def apply_placement(self, placement: Placement) -> None:
         for node_id, rank in placement.active.items():
@@ -257,6 +286,7 @@ class Intake:
             "message": first.describe(),
             "suspects": [{"rank": s.rank, "phase": s.phase, "step": s.step,
                           "idle_s": round(s.idle_s, 2), "silent": s.silent,
+                          "timeout_s": round(s.timeout_s, 3),
                           "beat_age_s": None if s.beat_age_s is None else round(s.beat_age_s, 2)}
                          for s in suspects]})
 
@@ -381,9 +411,20 @@ class Intake:
             else:
                 self.ctx.record(ev.WorkerNote(kind="worker_event", name=msg.name,
                                               node_id=node_id, **data, **where))
+                if msg.name == RESUME_EVENT and isinstance(data.get("step"), int):
+                    self._resumed(msg.generation, msg.rank, data["step"])
         except (ValidationError, ValueError, TypeError) as exc:
             self.reject(node_id, "events", f"worker event {msg.name!r} of rank {msg.rank}: "
                         f"{_first_problem(exc)}")
+
+    def _resumed(self, generation: int | None, rank: int, step: int) -> None:
+        warning = self.resumes.note(generation, rank, step)
+        if warning:
+            self.ctx.record(ev.ResumeMismatch(
+                generation=generation, message=warning,
+                steps={str(r): s for r, s in list(self.resumes.steps.items())[:4096]}))
+            self.ctx.log.warning("ranks resumed from different steps", generation=generation,
+                                 steps=dict(list(self.resumes.steps.items())[:16]))
 
     def reject(self, node_id: str | None, route: str, reason: str) -> None:
         """A message that was not the node's to send, or did not fit its type: journaled
@@ -406,6 +447,17 @@ class Intake:
         if self.ctx.view.state is JobState.RUNNING and self.running_since is None:
             self.running_since = self.ctx.clock.monotonic()
         self.stragglers.tick(generation)
+        while self.superseded:
+            node_id = self.superseded.pop()
+            node = self.nodes.nodes.get(node_id)
+            if node is None or not self._told_to_run_old(node):
+                continue
+            self.ctx.log.warning("node runs a superseded generation: told to stop its ranks",
+                                 node=node_id, runs=node.generation, current=generation)
+            await self.nodes.assign(node_id, action="idle", generation=None)
+            if node.state is NodeState.REGISTERED:  # back after being lost: a spare now
+                self.nodes.move(node, NodeState.SPARE, node_rank=None,
+                                reason="back after its generation was superseded")
         for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
             node = self._node_of_rank(inj.rank)
             if node is None:
@@ -456,6 +508,7 @@ _MAX_LISTED = 256
 _PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
                         "checkpoint_fetched", "checkpoint_upload_retry",
                         "checkpoint_upload_failed", "checkpoint_upload_skipped",
+                        "checkpoint_fenced",
                         "stability_skip", "startup", "recovered", "recovery_failed"}
 
 
@@ -470,7 +523,8 @@ def _describe_exit(e: dict[str, Any]) -> str:
     if not e:
         return "unknown failure"
     where = f"rank {e.get('rank')} on node {e.get('node_id')}"
-    error = f": {e['error']}" if e.get("error") else ""  # its error file, a spawn's OS error
+    reason = exit_reason(e)  # its error file, a spawn's OS error, else its last line
+    why = f": {reason}" if reason else ""
     if e.get("signal"):
-        return f"{where} was killed by {e['signal']}{error}"
-    return f"{where} exited with code {e.get('exit_code')}{error}"
+        return f"{where} was killed by {e['signal']}{why}"
+    return f"{where} exited with code {e.get('exit_code')}{why}"

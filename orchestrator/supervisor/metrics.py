@@ -38,6 +38,9 @@ HEARTBEAT_DOORS = ("api", "process")
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 # Checkpoint stalls: the target is <= 0.1 s; a synchronous save of a big model is minutes.
 _CKPT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# The worker reports of a checkpoint that did not make it, by stage of the failure.
+_FAILED_SAVE = {"checkpoint_failed": "save", "checkpoint_upload_failed": "upload"}
+_CKPT_STAGES = tuple(_FAILED_SAVE.values())
 
 
 class SupervisorMetrics:
@@ -112,6 +115,17 @@ class SupervisorMetrics:
                                   "Unix time the last step finished.", j, registry=r)
         self.created_ts = Gauge("orchestrator_job_created_timestamp_seconds",
                                 "Unix time the job was created.", j, registry=r)
+        self.steps_target = Gauge("orchestrator_training_steps_target",
+                                  "The step the job completes at (absent for a script of "
+                                  "the user's own: its total is not known).", j, registry=r)
+        self.growth_threshold = Gauge("orchestrator_stability_growth_ratio_threshold",
+                                      "stability.growth.ratio of the job's config: the growth "
+                                      "warning's threshold (the alert compares against it).",
+                                      j, registry=r)
+        self.ckpt_failures = Counter("orchestrator_checkpoint_failures_total",
+                                     "Checkpoints that failed to save (stage save) or to "
+                                     "upload to the remote tier (stage upload).",
+                                     ["job", "stage"], registry=r)
         self.memory_bytes = Gauge("orchestrator_checkpoint_memory_bytes",
                                   "Shared memory the memory tier holds on rank 0's node.", j,
                                   registry=r)
@@ -145,6 +159,7 @@ class SupervisorMetrics:
                                           "1 while the heartbeat process serves agents; 0 "
                                           "when it is off or was lost.", j, registry=r)
         self._stragglers: dict[str, tuple[int, float]] = {}  # node -> (ranks, excess)
+        self._failed_saves: dict[tuple[str, int | None, int | None], None] = {}
         self._booked: dict[str, float] = {}
         self._last_tokens: tuple[int, float, float] | None = None  # step, tokens, per step
         self._init_series()
@@ -170,11 +185,15 @@ class SupervisorMetrics:
         for metric in (self.late, self.productive, self.spikes, self.rollbacks, self.steps_done,
                        self.tokens_done, self.nonfinite):
             metric.labels(job)
-        for g in (self.goodput, self.step, self.tokens, self.loss, self.lr, self.grad_norm,
-                  self.grad_norm_mean, self.spike_length, self.growth, self.param_norm,
-                  self.last_ckpt_step, self.last_ckpt_ts, self.last_step_ts, self.created_ts,
-                  self.memory_bytes, self.memory_budget):
+        # Gauges whose 0 is a true value from the start. The step's figures (loss, LR, the
+        # norms, their running mean and growth, the last step's and checkpoint's time) stay
+        # absent until they are known: a 0.0 loss or a checkpoint at the epoch is a lie
+        # every dashboard and alert would have to guard against.
+        for g in (self.goodput, self.step, self.tokens, self.spike_length, self.memory_bytes,
+                  self.memory_budget):
             g.labels(job)
+        for stage in _CKPT_STAGES:
+            self.ckpt_failures.labels(job, stage)
         self.step_duration.labels(job)
         self.ckpt_blocking.labels(job)
         for g in (self.straggler_nodes, self.straggler_ranks, self.straggler_excess):
@@ -186,6 +205,12 @@ class SupervisorMetrics:
     def set_info(self, model: str, accelerator: str) -> None:
         self.info.labels(self.job).info({"model": model, "accelerator": accelerator,
                                          "version": __version__})
+
+    def set_thresholds(self, growth_ratio: float | None) -> None:
+        """Config values the alert rules compare against (one source for both): the growth
+        warning's ratio, absent when that rule is off."""
+        if growth_ratio is not None:
+            self.growth_threshold.labels(self.job).set(growth_ratio)
 
     def set_state(self, state: JobState) -> None:
         for s in JobState:
@@ -204,12 +229,22 @@ class SupervisorMetrics:
         e, job = env.event, self.job
         if isinstance(e, ev.JobCreated):
             self.created_ts.labels(job).set(env.ts)
+            if e.steps:
+                self.steps_target.labels(job).set(e.steps)
+        elif isinstance(e, ev.WorkerNote) and e.kind in _FAILED_SAVE:
+            # Every rank of a save may report the same failure: one save, one count.
+            key = (e.kind, e.generation, e.step)
+            if key not in self._failed_saves:
+                self._failed_saves[key] = None
+                if len(self._failed_saves) > 4096:
+                    self._failed_saves.pop(next(iter(self._failed_saves)))
+                self.ckpt_failures.labels(job, _FAILED_SAVE[e.kind]).inc()
         elif isinstance(e, ev.Transition):
             self.set_state(e.to)
         elif isinstance(e, ev.Failure) and e.cause.value in FAILURE_CAUSES:
             self.failures.labels(job, e.cause.value).inc()
         elif isinstance(e, ev.GenerationLaunched) and e.after_cause is not None \
-                and e.after_cause.value in FAILURE_CAUSES:
+                and e.after_cause is not Cause.OPERATOR and e.after_cause.value in FAILURE_CAUSES:
             self.restarts.labels(job, e.after_cause.value).inc()
         elif isinstance(e, ev.CheckpointCommitted) and e.via != "upload":
             # Uploads lag the saves: a remote copy committed later must not move these back.
@@ -291,19 +326,25 @@ class SupervisorMetrics:
             if fired["kind"] == "grad_spike":
                 self.spikes.labels(job).inc()
 
-    def set_books(self, seconds: dict[str, float], goodput: float) -> None:
+    def set_books(self, seconds: dict[str, float], goodput: float,
+                  hold: tuple[str, ...] = ()) -> None:
         """Bring the books' counters up to ``seconds`` and set the goodput gauge.
 
         Counters never go down: when provisional time moves to another category (a failure
         turns the steps since the last checkpoint into wasted progress), the category that
         shrank keeps its counter until its books pass it again, while the one that grew
         takes the increase at once. Rates over windows longer than the re-booked time agree
-        with the books; the goodput gauge always shows them exactly.
+        with the books; the goodput gauge always shows them exactly. Categories in ``hold``
+        keep their counters where they are: the live window's ``failure_detection`` is a
+        guess (no step for longer than any took) that the next step or record usually takes
+        back, and a counter cannot give it back (a supervisor resumed before its agents'
+        records caught up booked it in a run with no failure).
         """
         job = self.job
         self._raise_to("productive", self.productive.labels(job), seconds.get("productive", 0.0))
         for cat in BADPUT_CATEGORIES:
-            self._raise_to(cat, self.badput.labels(job, cat), seconds.get(cat, 0.0))
+            if cat not in hold:
+                self._raise_to(cat, self.badput.labels(job, cat), seconds.get(cat, 0.0))
         self.goodput.labels(job).set(goodput)
 
     def _raise_to(self, key: str, counter: Any, value: float) -> None:

@@ -102,6 +102,8 @@ class NodeRegistry:
         self._signal_ids = 0
         self._assigned = 0  # assignment changes, to let other work in between (``assign``)
         self.held_back = 0  # silence checks that waited longer because many nodes were silent
+        self.epoch = 0  # this supervisor's leader epoch, stamped on every assignment
+        self.guard: Callable[[], None] | None = None  # a deposed leader sends no order
 
     # -- the node state machine ------------------------------------------------------------
     def move(self, node: NodeRecord, state: NodeState, reason: str | None = None, *,
@@ -188,6 +190,7 @@ class NodeRegistry:
         if node is None:
             node = NodeRecord(req.node_id, req.host, req.addr, req.procs, req.agent_pid,
                               req.free_port, now, self._service())
+            node.assignment = Assignment(epoch=self.epoch)
             self.nodes[req.node_id] = node
             self._wake[req.node_id] = asyncio.Event()
             self._counts[node.state] += 1
@@ -226,10 +229,13 @@ class NodeRegistry:
     # -- commands to agents ----------------------------------------------------------------
     async def assign(self, node_id: str, **fields: object) -> Assignment:
         """Replace the node's assignment (keeping pending signal orders) and wake its poll."""
+        if self.guard is not None:
+            self.guard()
         node = self.nodes[node_id]
         data = node.assignment.model_dump()
         data.update(fields)
         data["version"] = node.assignment.version + 1
+        data["epoch"] = self.epoch
         node.assignment = Assignment.model_validate(data)
         # Wake this node's long-polls only (a condition shared by every node woke all
         # 2,048 polls on each of a launch's 2,048 assignments: 4 M wake-ups).

@@ -11,6 +11,7 @@ is not a storm.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from tenacity import wait_exponential
 from orchestrator.config.schema import RestartConfig
 from orchestrator.jobview import JobView
 from orchestrator.state import Cause
+from orchestrator.supervisor.outcome import exit_reason
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class RestartPolicy:
 
     def decide(self, view: JobView) -> Decision:
         """After a failure has been recorded in ``view``: restart, or give up and why."""
+        config = repeated_before_first_step(view)
+        if config:
+            return Decision(False, 0.0, config)
         restarts = len(view.restarts)
         if restarts >= self.cfg.max_restarts:
             return Decision(False, 0.0,
@@ -78,3 +83,36 @@ class RestartPolicy:
                 for f in failures[:-1]):
             return 0.0
         return self.backoff(stalled)
+
+
+def repeated_before_first_step(view: JobView) -> str | None:
+    """A configuration error, not bad luck: the two newest failures, of consecutive
+    generations, both came before their generation's first step, with the same exit and the
+    same reason (``exit_reason``: an error file, a traceback's last line). A restart cannot
+    fix it (a module the ranks cannot import, a script that raises at start); the restart
+    budget would only repeat it. Signals and exits without a reason never match."""
+    failures = view.failures
+    if len(failures) < 2:
+        return None
+    before, newest = failures[-2], failures[-1]
+    gens = before.get("generation"), newest.get("generation")
+    if None in gens or gens[1] != gens[0] + 1 or any(g in view.first_steps for g in gens):
+        return None
+    sig = _signature(newest)
+    if sig is None or sig != _signature(before):
+        return None
+    return (f"configuration error: generations {gens[0]} and {gens[1]} failed the same way "
+            f"before their first step ({newest.get('message')}); fix the job's environment "
+            "or config and start it again")
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def _signature(failure: dict) -> tuple | None:
+    """(exit code, reason with its numbers blanked): a log line's time, a pid or a port
+    differ between two runs of the same error."""
+    if failure.get("cause") != Cause.WORKER_EXIT.value:
+        return None
+    reason = exit_reason(failure)
+    return None if reason is None else (failure.get("exit_code"), _NUMBER.sub("#", reason))

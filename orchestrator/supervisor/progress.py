@@ -7,29 +7,33 @@ stays small while ``status`` and the books still see where training stood.
 
 Each generation keeps its ranks' last progress oldest-first per phase
 (``GenerationProgress.idle``), so the hang check looks at one rank per phase instead of all
-of them, and each rank's latest largest-recent-step-interval in a heap, so the largest
-(``interval_max``) is read without a scan.
+of them, and each rank's latest step pace in a heap, so the job's (``pace``) is read without
+a scan.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from orchestrator.clock import Clock
 from orchestrator.events import Envelope, Event, FirstStep, Progress
+from orchestrator.pace import WARMUP_STEPS
 from orchestrator.protocol import RankInfo
+from orchestrator.steprecord import StepRecord, encode_stored
 from orchestrator.supervisor.deadlines import OldestFirst
+
+
+# Phases in which a rank keeps its peers waiting for longer than a step, legitimately.
+BUSY_PHASES = ("loading", "compiling", "checkpointing", "evaluating")
 
 
 @dataclass
 class RankProgress:
     rank: int
     step: int | None = None
+    first_step: int | None = None  # the first step it reported in this generation
     phase: str | None = None
     last_step_ts: float | None = None  # worker wall clock
     beat_received: float | None = None  # our monotonic clock, when a new beat arrived
@@ -39,6 +43,13 @@ class RankProgress:
     progress: str | None = None  # "hook": steps are the preload hook's optimizer count
     finished: bool = False  # sent its last beat; tearing down
     recoverable: bool = False  # can rejoin the next generation in place (in-job recovery)
+
+    @property
+    def warming(self) -> bool:
+        """Within its generation's first ``WARMUP_STEPS`` step intervals: the ones its SDK
+        does not measure (``orchestrator.pace``), judged by the start-up floor."""
+        return self.step is not None and self.first_step is not None \
+            and self.step - self.first_step < WARMUP_STEPS
 
 
 @dataclass
@@ -51,28 +62,37 @@ class GenerationProgress:
     ranks: dict[int, RankProgress] = field(default_factory=dict)
     # phase -> ranks in that phase by the time they last made progress
     idle: dict[str | None, OldestFirst[int]] = field(default_factory=dict)
-    # Each rank's latest report of its largest recent step interval (the SDK's window of
-    # its last steps), kept so the largest is read without a scan (negated: oldest = max).
+    # Each rank's latest report of its step pace (``orchestrator.pace``), kept so the
+    # smallest is read without a scan.
     intervals: OldestFirst[int] = field(default_factory=OldestFirst)
     # Ranks of a script without the SDK before its first step: judged by liveness, not by
     # a phase's timeout, so the oldest-first pre-check cannot speak for them.
     unstepped_hooks: set[int] = field(default_factory=set)
+    # When a rank last left a busy phase: its peers waiting for it are not hung until a
+    # training timeout after that (``hangs.find_hangs``).
+    busy_ended: float | None = None
 
     @property
-    def interval_max(self) -> float | None:
-        """The largest step interval the ranks report now (their windows of recent steps:
-        a slow step drops out of it once its rank has stepped past it)."""
-        top = self.intervals.oldest()
-        return -top[1] if top is not None else None
+    def pace(self) -> float | None:
+        """The job's step pace: the smallest the ranks report now. The ranks of a
+        distributed job step in lockstep, so their intervals agree, except where a rank's
+        own work was left out of its steps (its save, its evaluation: phases of their own)
+        while its peers, blocked in their next collective, measured the wait. The peers'
+        wait is covered by the busy-peer rule (``hangs.find_hangs``); the smallest pace is
+        the steps' own."""
+        low = self.intervals.oldest()
+        return low[1] if low is not None else None
 
     def report_interval(self, rank: int, interval: float | None) -> None:
         if interval is None or interval <= 0:
             self.intervals.discard(rank)
         else:
-            self.intervals.set(rank, -interval)
+            self.intervals.set(rank, interval)
 
     def progressed(self, rp: RankProgress, phase: str | None, at: float) -> None:
         """``rp`` made progress at ``at`` (now in ``phase``): move it in ``idle``."""
+        if rp.phase != phase and rp.phase in BUSY_PHASES:
+            self.busy_ended = at
         if rp.phase != phase and rp.phase in self.idle:
             self.idle[rp.phase].discard(rp.rank)
         rp.phase, rp.progress_seen = phase, at
@@ -94,7 +114,7 @@ class ProgressTracker:
         self._journal_every_s = journal_every_s
         self._last_journaled = float("-inf")
         self.current: GenerationProgress | None = None
-        self.last_record: dict[str, Any] | None = None
+        self.last_record: StepRecord | None = None
         self.tokens = 0
         # The newest step every rank holds in the memory tier, as rank 0's records say.
         self.memory_step: int | None = None
@@ -127,6 +147,8 @@ class ProgressTracker:
             if info.step != rp.step or info.phase != rp.phase:
                 gen.progressed(rp, info.phase, now)
             rp.step = info.step
+            if rp.first_step is None or (info.step is not None and info.step < rp.first_step):
+                rp.first_step = info.step
             rp.last_step_ts = info.last_step_ts
             if info.step_interval_max != rp.step_interval_max:
                 rp.step_interval_max = info.step_interval_max
@@ -139,23 +161,15 @@ class ProgressTracker:
             else:
                 gen.unstepped_hooks.discard(info.rank)
 
-    def on_records(self, generation: int | None, records: list[dict[str, Any]]) -> bool:
-        """Rank 0's step records: append to steps.jsonl, note first/last step, journal.
-
-        Returns whether they were taken (False for a generation other than the current one).
-        """
+    def on_records(self, generation: int | None, records: list[StepRecord]) -> bool:
+        """Rank 0's step records (typed, admitted, each step once): append to steps.jsonl,
+        note first/last step, journal. Returns whether they were taken (False for a
+        generation other than the current one)."""
         gen = self.current
         if not records or gen is None or generation != gen.generation:
             return False
-        # A record without a whole, non-negative step is not a step: it is not kept.
-        records = [r for r in records if isinstance(r.get("step"), int)
-                   and not isinstance(r.get("step"), bool) and 0 <= r["step"] <= 2**53]
-        if not records:
-            return False
         with open(self._steps_path, "a") as f:
-            for rec in records:
-                line = {**rec, "generation": generation}
-                f.write(json.dumps(line, default=str) + "\n")
+            f.write("".join(encode_stored(rec, generation) for rec in records))
         last = records[-1]
         self.last_record = last
         for rec in records:
@@ -164,14 +178,13 @@ class ProgressTracker:
                 self.memory_step = mem if self.memory_step is None else max(self.memory_step,
                                                                               mem)
         tokens = last.get("tokens")
-        if isinstance(tokens, int | float) and not isinstance(tokens, bool) \
-                and math.isfinite(tokens) and tokens >= 0:
-            self.tokens = int(tokens)
+        if tokens is not None:
+            self.tokens = tokens
         if gen.first_step is None:
             first = records[0]
             gen.first_step, gen.first_step_ts = first["step"], first.get("ts")
             self._record_event(FirstStep(generation=generation, step=first["step"],
-                                         step_ts=_finite(first.get("ts"))))
+                                         step_ts=first.get("ts")))
         gen.last_step, gen.last_step_ts = last["step"], last.get("ts")
         now = self._clock.monotonic()
         if now - self._last_journaled >= self._journal_every_s:
@@ -190,7 +203,3 @@ class ProgressTracker:
         gen = self.current
         return {} if gen is None else {r: p.step for r, p in gen.ranks.items()}
 
-
-def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
-        and math.isfinite(value) else None

@@ -8,6 +8,8 @@ Collaborators receive the recorder (or only its ``record``), never the superviso
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from orchestrator.events import Envelope, Event
 from orchestrator.jobview import JobView
 from orchestrator.journal import Journal
@@ -15,13 +17,19 @@ from orchestrator.supervisor.metrics import SupervisorMetrics
 
 
 class Recorder:
-    def __init__(self, journal: Journal, view: JobView, metrics: SupervisorMetrics) -> None:
+    def __init__(self, journal: Journal, view: JobView, metrics: SupervisorMetrics,
+                 guard: Callable[[], None] | None = None) -> None:
         self.journal = journal
         self.view = view
         self.metrics = metrics
+        # Raises (or ends the process) once this supervisor may no longer write the journal:
+        # a deposed leader (``leader.Leadership.check``).
+        self.guard = guard
 
     def record(self, event: Event, *, durable: bool = False) -> Envelope:
         """Journal ``event`` (on disk before returning with ``durable``), fold it, count it."""
+        if self.guard is not None:
+            self.guard()
         env = self.journal.append(event, durable=durable)
         self.view.apply(env)
         self.metrics.on_event(env)

@@ -24,8 +24,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.steprecord import MAX_STEP
 from stability.config import StabilityConfig
 from stability.events import Event
+
+
+# The largest batch index a window may reach (a step record's and the journal's bound).
+MAX_BATCH = MAX_STEP
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,10 @@ def plan_rollback(event: Event, onset_step: int, onset_batch: int | None, genera
         raise ValueError(f"event action {event.action!r} does not call for a rollback")
     policy = config.rollback
     window = None
-    if event.action == "rollback" and onset_batch is not None and policy.skip_batches > 0:
+    if event.action == "rollback" and onset_batch is not None and policy.skip_batches > 0 \
+            and onset_batch + policy.skip_batches <= MAX_BATCH:
+        # A window past MAX_BATCH is no data position (and no journal event could hold it):
+        # the rollback then retrains without skipping.
         window = (onset_batch, onset_batch + policy.skip_batches)
     scale = policy.lr_scale if event.action == "rollback" else config.lower_lr_scale
     return RollbackPlan(action=event.action, trigger=event.to_dict(), generation=generation,

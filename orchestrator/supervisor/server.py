@@ -235,6 +235,20 @@ class ApiServer:
         ppn = self.sup.cfg.cluster.procs_per_node
         return admission.Slice(launch["generation"], node_rank * ppn, (node_rank + 1) * ppn)
 
+    def _past(self, node_id: str) -> admission.PastSlice:
+        """The node's slice in an older generation, from that generation's launch record."""
+        ppn = self.sup.cfg.cluster.procs_per_node
+
+        def then(generation: int) -> admission.Slice | None:
+            for launch in reversed(self.sup.view.launches):
+                if launch.get("generation") == generation:
+                    node_rank = launch.get("nodes", {}).get(node_id)
+                    if node_rank is None:
+                        return None
+                    return admission.Slice(generation, node_rank * ppn, (node_rank + 1) * ppn)
+            return None
+        return then
+
     def _registered(self, node_id: str) -> None:
         if node_id not in self.sup.intake.nodes.nodes:
             raise UnknownNode(node_id)
@@ -243,7 +257,8 @@ class ApiServer:
     async def healthz(self, request: web.Request) -> web.Response:
         view = self.sup.view
         return web.json_response({"ok": True, "state": view.state.value,
-                                  "generation": view.generation})
+                                  "generation": view.generation,
+                                  "epoch": self.sup.intake.nodes.epoch})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.sup.metrics.registry)
@@ -289,7 +304,8 @@ class ApiServer:
         batch = await self._parse(request, EventBatch)
         if batch.node_id == node:
             self._registered(node)
-        refusal = admission.check_events(node, batch, self._slice(node), self._limits())
+        refusal = admission.check_events(node, batch, self._slice(node), self._limits(),
+                                         self._past(node))
         if refusal is not None:
             return self._refuse(node, "events", refusal)
         self.sup.intake.on_events(batch)

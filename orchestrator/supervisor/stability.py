@@ -21,14 +21,15 @@ were the alternative; at ~2.5 KB a state they would bloat the file every reader 
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import events as ev
+from orchestrator import readback
 from orchestrator.rundir import RunDir
+from orchestrator.steprecord import StepRecord, read_steps
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.rollback import (
     RollbackPlan,
@@ -49,28 +50,6 @@ _CACHE_VERSION = 1
 # Seconds between cache rewrites: a supervisor restart replays at most this much of the stream.
 _CACHE_EVERY_S = 2.0
 _ROLLBACK_ACTIONS = ("rollback", "lower_lr")
-
-
-def iter_step_lines(path: Path, offset: int = 0) -> Iterator[tuple[dict[str, Any], int]]:
-    """``(record, end offset)`` for each complete JSON line of ``path`` from byte ``offset``.
-
-    A torn last line (still being written) and garbled lines are skipped.
-    """
-    if not path.exists():
-        return
-    with open(path, "rb") as f:
-        f.seek(offset)
-        pos = offset
-        for line in f:
-            pos += len(line)
-            if not line.endswith(b"\n"):
-                return
-            try:
-                rec = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(rec, dict):
-                yield rec, pos
 
 
 def new_lineage(stability: StabilityConfig, checkpoint_every: int | None,
@@ -95,11 +74,11 @@ def load_lineage(run: RunDir, make: Callable[[], LineageMonitor]) -> tuple[Linea
         try:
             lineage.load_state_dict(cache["lineage"])
             offset = cache["steps_offset"]
-        except (KeyError, TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - a cache, not a source of truth: replay instead
             lineage, offset = make(), 0
-    for rec, end in iter_step_lines(run.steps, offset):
+    for generation, rec, end in read_steps(run.steps, offset):
         try:
-            lineage.feed(rec, int(rec.get("generation") or 0))
+            lineage.feed(rec, generation)
         except ValueError:
             pass  # a record the live hook also skipped (and logged)
         offset = end
@@ -108,10 +87,10 @@ def load_lineage(run: RunDir, make: Callable[[], LineageMonitor]) -> tuple[Linea
 
 def _read_cache(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = readback.read_object(path, readback.SMALL)
+    except (OSError, readback.Unreadable):
         return None
-    return data if isinstance(data, dict) and data.get("version") == _CACHE_VERSION else None
+    return data if data.get("version") == _CACHE_VERSION else None
 
 
 def run_lineage(run: RunDir) -> Callable[[], LineageMonitor]:
@@ -151,7 +130,7 @@ class StabilityHook:
                                      for r in ctx.recorder.view.rollbacks), default=0)
 
     # -- the live stream -----------------------------------------------------------------------
-    def on_records(self, generation: int, records: list[dict[str, Any]]) -> None:
+    def on_records(self, generation: int, records: list[StepRecord]) -> None:
         """Feed rank 0's records of ``generation``; journal, count and log what fires.
 
         Once a rollback of ``generation`` is pending, its later records belong to the lineage

@@ -8,6 +8,12 @@ start-up in every rank the agent starts. It
   ``torch.optim`` is imported, and reports them as the rank's steps: the rank's phase turns
   ``training`` at its first optimizer step and the step intervals calibrate the hang timeout;
 - installs the faulthandler stack dump on SIGUSR1 (the SDK's, into the run's ``stacks/``);
+- under ``job.framework_hooks`` (on by default), attaches the orchestrator's hook to every
+  Lightning, Hugging Face or torchtitan ``Trainer`` the script makes
+  (``orchestrator.worker.hooks``): step records, phases, the skip decision and saves in the
+  job's checkpoint layout;
+- marks what a script without the SDK does between its steps (``scriptphases``): an
+  evaluation and a save run in their own phases, not under the tight training timeout;
 - sets torch.distributed's default collective timeout to the supervisor's choice
   (``ORCH_COLLECTIVE_TIMEOUT_S``) once ``torch.distributed`` is imported, so a script that
   passes no timeout gets ours instead of gloo's 30 minutes.
@@ -32,6 +38,8 @@ from typing import Any
 from orchestrator import envcontract as ec
 
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
+# The worker event a rank sends with its optimizer's step count at its first step.
+RESUME_EVENT = "optimizer_resume"
 _C10D_MODULE = "torch.distributed.distributed_c10d"
 
 
@@ -39,10 +47,11 @@ class StepCounter:
     """Optimizer steps of this process; the rank's step is the most-stepped optimizer's count
     (a GAN's two optimizers, or a model split over two, step once per iteration each)."""
 
-    def __init__(self, on_step: Any) -> None:
+    def __init__(self, on_step: Any, on_resume: Any = None) -> None:
         self._counts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._on_step = on_step
+        self._on_resume = on_resume
         self.steps = 0
 
     def __call__(self, optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
@@ -52,8 +61,26 @@ class StepCounter:
             advanced = n > self.steps
             if advanced:
                 self.steps = n
+        if advanced and n == 1 and self._on_resume is not None:
+            before = optimizer_state_step(optimizer)
+            if before is not None:  # the steps the optimizer had taken before this process
+                self._on_resume(before - 1)
         if advanced:
             self._on_step(n)
+
+
+def optimizer_state_step(optimizer: Any) -> int | None:
+    """The optimizer's own step count (Adam, AdamW and most others keep ``step`` in each
+    parameter's state, restored with ``load_state_dict``); None for one that keeps none
+    (plain SGD)."""
+    try:
+        for state in optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if step is not None:
+                return int(step.item() if hasattr(step, "item") else step)
+    except Exception:  # noqa: BLE001 - an optimizer of its own kind: nothing to say
+        return None
+    return None
 
 
 def set_default_collective_timeout(c10d: Any, seconds: float) -> None:
@@ -81,13 +108,40 @@ def install(env: MutableMapping[str, str] | None = None) -> bool:
     worker = ow.start_from_hook(env)
     atexit.register(ow.shutdown)
     _register_torch_hooks(worker, ec.GenerationEnv.from_env(env).collective_timeout_s)
+    if _framework_hooks_wanted(agent.config_path):
+        from orchestrator.worker import hooks
+
+        hooks.install()
+    from orchestrator.worker import scriptphases
+
+    scriptphases.install(worker)
     return True
+
+
+def _framework_hooks_wanted(config_path: str | None) -> bool:
+    """``job.framework_hooks`` of the job's resolved config (on unless the job says no)."""
+    if not config_path:
+        return True
+    import json
+
+    try:
+        with open(config_path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return True  # the trainer's own config check reports a broken file
+    job = data.get("job") if isinstance(data, dict) else None
+    return not (isinstance(job, dict) and job.get("framework_hooks") is False)
 
 
 def _register_torch_hooks(worker: Any, collective_timeout_s: float | None) -> None:
     from wrapt import register_post_import_hook
 
-    counter = StepCounter(worker.optimizer_stepped)
+    def resumed_at(step: int) -> None:
+        # Compared across ranks by the supervisor: ranks that resume from different
+        # checkpoints (a per-node working directory) go apart and fail later.
+        worker.event(RESUME_EVENT, step=step)
+
+    counter = StepCounter(worker.optimizer_stepped, resumed_at)
 
     def on_optimizer(module: Any) -> None:
         module.register_optimizer_step_post_hook(counter)

@@ -32,6 +32,7 @@ from orchestrator import chaos as chaos_
 from orchestrator import envcontract as ec
 from orchestrator.chaos import ChaosPlan
 from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
+from orchestrator.pace import StepPace
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
@@ -39,8 +40,6 @@ from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating",
           "finishing")
 
-# Step intervals kept to calibrate the hang timeout (largest recent interval).
-_INTERVAL_WINDOW = 50
 # Steps the beat's step-time and data-wait summary averages over (the straggler detector's
 # input: recent enough to follow a change, long enough to smooth one slow step).
 _SUMMARY_STEPS = 20
@@ -74,6 +73,8 @@ class WorkerContext:
     chaos: ChaosPlan = field(default_factory=ChaosPlan)
     memory_dir: str | None = None  # the node's memory tier (set by the agent when on)
     in_job_wait_s: float | None = None  # in-job recovery on: how long to wait for the order
+    run_id: str | None = None  # the fencing token's run and lineage (``ORCH_LINEAGE``)
+    lineage: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
@@ -90,6 +91,7 @@ class WorkerContext:
             checkpoint_root=gen.checkpoint_root, resume_max_step=gen.resume_max_step,
             skip_windows=list(gen.skip_windows), lr_scale=gen.lr_scale, chaos=gen.chaos,
             memory_dir=agent.memory_dir, in_job_wait_s=gen.in_job_wait_s,
+            run_id=gen.run_id, lineage=list(gen.lineage),
         )
 
 
@@ -111,7 +113,7 @@ class Worker:
         self._step: int | None = None
         self._phase = "init"
         self._last_step_ts: float | None = None
-        self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVAL_WINDOW)
+        self._pace = StepPace()  # calibrates the hang timeout (``orchestrator.pace``)
         # Work beside training that slows its steps until it is done (``disturbed_while``).
         self._disturbances: list[Callable[[], bool]] = []
         self._disturbed_step = False  # the last step was disturbed: the next interval too
@@ -225,12 +227,16 @@ class Worker:
         with self._lock:
             interval = None
             disturbed = self._disturbed()
+            if self._phase not in ("training", "init") and not self._settling \
+                    and self._phase_since is not None:
+                # A phase the step ends (a script's evaluation, its data loader's new epoch,
+                # marked by the preload hook) is not step time either.
+                self._other_s += now - self._phase_since
             if self._last_step_ts is not None:
                 # Time in other phases (a blocking checkpoint save) has timeouts of its own
                 # and would inflate the calibrated training timeout: it is not step time.
                 interval = max(0.0, now - self._last_step_ts - self._other_s)
-                if not disturbed and not self._disturbed_step:
-                    self._intervals.append(interval)
+                self._pace.add(interval, measured=not disturbed and not self._disturbed_step)
             self._disturbed_step = disturbed
             self._step, self._last_step_ts = step, now
             self._other_s = 0.0
@@ -347,7 +353,7 @@ class Worker:
             msg = {"t": "beat", "rank": self.ctx.rank, "pid": os.getpid(),
                    "generation": self.ctx.generation, "step": self._step,
                    "phase": self._phase, "last_step_ts": self._last_step_ts,
-                   "interval_max": max(self._intervals) if self._intervals else None,
+                   "interval_max": self._pace.value(),
                    "step_time": _recent_mean(self._step_times),
                    "data_wait": _recent_mean(self._data_waits),
                    "ts": self._clock(), "records": self._records,
@@ -429,7 +435,7 @@ class Worker:
         ctx = WorkerContext.from_env(os.environ)
         with self._lock:
             self.ctx = ctx
-            self._intervals.clear()
+            self._pace = StepPace()  # the new generation warms up and measures afresh
             self._disturbed_step = True  # the first step after the rejoin is not a measure
             self._records = []
         if self._stack_file is not None:

@@ -51,7 +51,7 @@ def main() -> int:
         return 0
     spec = json.loads(line)
     handoff = time.time()
-    log = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)

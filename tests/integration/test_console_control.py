@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -120,3 +121,68 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_down_returns_once_the_supervisor_exited_and_resume_waits_for_it(
+        tmp_path: Path, dataset_dir: Path) -> None:
+    """`down` then `up --resume` at once, on a loaded machine: the journal says STOPPED
+    before the supervisor has told its agents to exit and ended. The supervisor is held
+    (SIGSTOP) right after it journals STOPPED, as a loaded machine would hold it: `down`
+    waits for its exit and `up --resume` waits too, instead of refusing."""
+    config = write_config(tmp_path / "job.yaml", dataset_dir, trainer={"steps": 2000})
+    run_dir = tmp_path / "run"
+    waiting: list[subprocess.Popen] = []
+    first = None
+    try:
+        started = cli("up", str(config), "--run-dir", str(run_dir), "--detach")
+        assert started.returncode == 0, started.stdout
+        first = supervisor_pid(run_dir)
+        wait_for(lambda: any(e["kind"] == "first_step" for e in journal(run_dir)), 120,
+                 what="the first step")
+        down = _popen("down", str(run_dir), "--no-checkpoint")
+        waiting.append(down)
+        wait_for(lambda: any(e["kind"] == "transition" and e["to"] == "STOPPED"
+                             for e in journal(run_dir)), 120, interval=0.01,
+                 what="STOPPED in the journal")
+        os.kill(first, signal.SIGSTOP)
+        assert _alive(first), "the supervisor ended before it could be held"
+        try:
+            time.sleep(2.0)
+            assert down.poll() is None, "down returned while its supervisor still ran: " \
+                + down.communicate()[0]
+            resume = _popen("up", "--resume", str(run_dir), "--detach")
+            waiting.append(resume)
+            time.sleep(3.0)
+            assert resume.poll() is None, "up --resume refused a supervisor that was " \
+                "shutting down: " + resume.communicate()[0]
+        finally:
+            os.kill(first, signal.SIGCONT)
+        out, _ = down.communicate(timeout=120)
+        assert down.returncode == 0, out
+        assert "STOPPED" in out and not _alive(first)
+        out, _ = resume.communicate(timeout=300)
+        assert resume.returncode == 0, out
+        second = supervisor_pid(run_dir)
+        assert second != first and _alive(second)
+        seq = [e["to"] for e in journal(run_dir) if e["kind"] == "transition"]
+        assert seq[seq.index("STOPPED") + 1] == "PENDING"  # the job goes on
+        stop = cli("down", str(run_dir), "--no-checkpoint")
+        assert stop.returncode == 0, stop.stdout
+        assert not _alive(second)
+    finally:
+        for proc in waiting:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        if first is not None and _alive(first):
+            os.kill(first, signal.SIGCONT)
+        kill_run(run_dir)
+        for pid in set(_pids(run_dir)):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _popen(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**env(), "COLUMNS": "200"}, start_new_session=True)

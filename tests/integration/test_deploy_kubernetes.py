@@ -1,7 +1,9 @@
 """deploy/kubernetes validated offline: every object the kustomization lists against the
 Kubernetes OpenAPI schema (kubernetes-validate ships the schemas; nothing is downloaded),
 strictly (an unknown field is an error), for the oldest and newest versions EKS runs here,
-and the wiring between the objects (image, token Secret, config, caches, selectors)."""
+and the wiring between the objects (image, token Secret, config, caches, selectors). The
+directory is `orchestrator deploy kubernetes configs/llama2-7b-trn1-128.yaml`'s output
+(tests/integration/test_deploy_render.py holds it to that)."""
 
 from __future__ import annotations
 
@@ -39,18 +41,22 @@ def _pod_specs() -> list[dict[str, Any]]:
             if o["kind"] in ("Deployment", "Job", "StatefulSet")]
 
 
+def _job(name: str) -> dict[str, Any]:
+    return next(o for o in _by_kind("Job") if o["metadata"]["name"] == name)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_object_validates_against_the_openapi_schema(version: str) -> None:
     objects = _objects()
-    assert {o["kind"] for o in objects} == {"Service", "Deployment", "PersistentVolumeClaim",
-                                            "Job"}
+    assert {o["kind"] for o in objects} == {"Service", "Job", "PersistentVolumeClaim",
+                                            "ServiceAccount"}
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_the_validator_rejects_what_kubernetes_would() -> None:
     """The check above can fail: a typo'd field, a wrong type, a missing required field."""
-    job = _by_kind("Job")[0]
+    job = _job("orchestrator-agent")
     broken = []
     typo = copy.deepcopy(job)
     typo["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
@@ -78,11 +84,11 @@ def test_the_token_is_a_per_job_generated_secret_both_sides_read() -> None:
     assert [g["name"] for g in k["secretGenerator"]] == ["orchestrator-token"]
     assert [g["name"] for g in k["configMapGenerator"]] == ["orchestrator-job"]
     assert not _by_kind("Secret")  # never a token committed in a manifest
-    supervisor = _by_kind("Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    supervisor = _job("orchestrator-supervisor")["spec"]["template"]["spec"]["containers"][0]
     token_env = [e for e in supervisor["env"] if e["name"] == "ORCH_TOKEN"]
     assert token_env[0]["valueFrom"]["secretKeyRef"] == {"name": "orchestrator-token",
                                                          "key": "token"}
-    job = _by_kind("Job")[0]
+    job = _job("orchestrator-agent")
     pod = job["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     secret = volumes["token"]["secret"]
@@ -102,6 +108,8 @@ def test_the_token_is_a_per_job_generated_secret_both_sides_read() -> None:
     assert node_arg in init["args"]  # the credential names the node the agent registers as
     assert [c for c in pod["containers"] if "token" in {m["name"] for m in c["volumeMounts"]}] \
         == []
+    assert [c["name"] for c in pod["initContainers"]
+            if "token" in {m["name"] for m in c["volumeMounts"]}] == ["node-credential"]
 
 
 def test_node_credential_writes_a_credential_the_supervisor_accepts(tmp_path: Path) -> None:
@@ -142,7 +150,7 @@ def test_node_credential_writes_a_credential_the_supervisor_accepts(tmp_path: Pa
 
 
 def test_agents_are_an_indexed_job_with_node_local_caches() -> None:
-    job = _by_kind("Job")[0]["spec"]
+    job = _job("orchestrator-agent")["spec"]
     assert job["completionMode"] == "Indexed"
     assert job["completions"] == job["parallelism"]
     pod = job["template"]["spec"]
@@ -165,5 +173,5 @@ def test_services_select_the_pods_they_front() -> None:
         selector = svc["spec"]["selector"]
         matched = [n for n, labels in pods.items() if selector.items() <= labels.items()]
         assert len(matched) == 1, (svc["metadata"]["name"], matched)
-    job_pod = _by_kind("Job")[0]["spec"]["template"]["spec"]
+    job_pod = _job("orchestrator-agent")["spec"]["template"]["spec"]
     assert job_pod["subdomain"] == "orchestrator-agents"

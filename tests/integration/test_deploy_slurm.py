@@ -128,3 +128,58 @@ def _follow_through_requeue(job_id: str, slurm_env: dict[str, str], timeout: flo
                 return _follow(job_id, slurm_env, max(1.0, deadline - time.monotonic()))
         time.sleep(1)
     raise AssertionError(f"slurm job {job_id} was not requeued within {timeout} s")
+
+
+def test_a_rendered_sbatch_runs_the_job_to_completed(tmp_path: Path, dataset_dir: Path,
+                                                     slurm_env: dict[str, str]) -> None:
+    """`orchestrator deploy slurm` for the tests' one-node Slurm (two agents a node): the file
+    alone is the job (its sizes and config inside), submitted without a size on the
+    command line, to COMPLETED."""
+    run = tmp_path / "run"
+    cfg = _config(tmp_path / "job.yaml", dataset_dir, trainer={"steps": 15},
+                  deploy={"slurm": {"python": sys.executable, "run_dir": str(run)}})
+    rendered = subprocess.run([sys.executable, "-m", "orchestrator", "deploy", "slurm",
+                               str(cfg), "--out", str(tmp_path / "out")], capture_output=True,
+                              text=True, timeout=120, env=env())
+    assert rendered.returncode == 0, rendered.stderr
+    sbatch = tmp_path / "out" / "t.sbatch"
+    assert "#SBATCH --nodes=1\n" in sbatch.read_text()
+    assert "#SBATCH --ntasks-per-node=2\n" in sbatch.read_text()
+    out = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(sbatch)],
+                         capture_output=True, text=True, timeout=60,
+                         env={**env(), **slurm_env})
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().split(";")[0]
+    try:
+        final = _follow(job_id, slurm_env, timeout=300)
+    finally:
+        kill_strays(run)
+    output = tmp_path / f"t-{job_id}.out"
+    assert final == "COMPLETED", output.read_text()[-4000:] if output.exists() else final
+    st = status(run)
+    assert st["state"] == "COMPLETED" and st["last_step"] == 15, st
+    assert sorted(st["nodes"]) == ["slurm-0", "slurm-1"]
+
+
+def test_an_allocation_smaller_than_the_config_fails_in_one_line(
+        tmp_path: Path, dataset_dir: Path, slurm_env: dict[str, str]) -> None:
+    """sbatch --nodes=1 (two agents there) for a job of 3 nodes: no traceback, a config
+    failure in the journal, FAILED, and status without a resume command."""
+    cfg = _config(tmp_path / "job.yaml", dataset_dir, cluster={"nodes": 3})
+    run = tmp_path / "run"
+    job_id = _sbatch("train.sbatch", tmp_path, slurm_env, CONFIG=str(cfg), RUN_DIR=str(run))
+    try:
+        final = _follow(job_id, slurm_env, timeout=180)
+    finally:
+        kill_strays(run)
+    output = (tmp_path / f"orchestrator-{job_id}.out").read_text()
+    assert final == "FAILED", output[-3000:]
+    assert "Traceback" not in output
+    st = status(run)
+    assert st["state"] == "FAILED" and st["root_cause"]["cause"] == "config"
+    assert "1 node(s) x 2 agent(s)" in st["root_cause"]["message"]
+    assert "sbatch --nodes=2" in st["failed_reason"]
+    text = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(run)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**env(), "COLUMNS": "250"}).stdout
+    assert "--resume" not in text

@@ -18,27 +18,16 @@ import signal
 import subprocess
 import sys
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from jobs import api_call as _call
 from jobs import env, journal, kill_strays, states, status, up, wait_for, write_config
-from prometheus_client.parser import text_string_to_metric_families
+from jobs import metric as _metric
 
 from orchestrator.auth import node_credential
 
 pytestmark = pytest.mark.slow
-
-
-def _metric(base: str, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=15) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                return sample.value
-    raise AssertionError(f"{name} {labels} not in /metrics")
 
 
 def _front_pid(supervisor_pid: int) -> int:

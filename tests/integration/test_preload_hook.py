@@ -110,3 +110,57 @@ def test_a_hook_that_cannot_start_stops_the_rank_at_once_with_the_reason(
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 3 and "the script ran" not in out.stdout
     assert "ORCH_HEARTBEAT_INTERVAL='soon': expected a number" in out.stderr
+
+
+PHASES_SCRIPT = """
+import io, time
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def step():
+    model(torch.ones(1, 2)).sum().backward(); opt.step()
+step(); step()
+model.eval()                      # evaluating, until train() or the next step
+with torch.no_grad():
+    model(torch.ones(1, 2))
+time.sleep(0.3)
+model.train()
+class SlowDisk(io.BytesIO):
+    def write(self, b):
+        time.sleep(0.3); return super().write(b)
+torch.save(model.state_dict(), SlowDisk())   # checkpointing, for the call
+for _ in torch.utils.data.DataLoader([1, 2]):  # an epoch's start: loading
+    time.sleep(0.3)
+    step()
+"""
+
+
+def test_a_script_without_the_sdk_evaluates_saves_and_loads_in_their_phases(
+        tmp_path: Path) -> None:
+    phases: list[str] = []
+
+    async def scenario() -> subprocess.CompletedProcess:
+        hub = LocalHub(on_event=lambda msg: None)
+        original = hub.handle
+
+        def handle(msg: dict) -> None:
+            if msg.get("t") == "beat" and (not phases or phases[-1] != msg.get("phase")):
+                phases.append(msg.get("phase"))
+            original(msg)
+
+        hub.handle = handle  # type: ignore[method-assign]
+        server = LocalSocketServer(hub)
+        await server.start()
+        try:
+            return await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-c", PHASES_SCRIPT], capture_output=True,
+                text=True, env=_rank_env(server.path, tmp_path), timeout=180)
+        finally:
+            await server.close()
+
+    out = asyncio.run(scenario())
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Beats sample the phase (a step's return to training sends none); a marked phase is
+    # sent at once, so each is seen, in the script's order.
+    marks = iter(phases)
+    assert all(p in marks for p in ("init", "evaluating", "checkpointing", "loading")), phases

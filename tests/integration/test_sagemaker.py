@@ -201,3 +201,46 @@ def test_submit_dry_run_prints_the_request_without_the_token(tmp_path: Path,
     bad = subprocess.run([*cmd[:-1], "--instance-type", "p5.48xlarge", "--dry-run"],
                          capture_output=True, text=True, timeout=60, env=env())
     assert bad.returncode == 2 and "instance_type" in bad.stderr
+
+
+def test_submit_dry_run_refuses_what_cannot_run_and_says_where_checkpoints_go(
+        tmp_path: Path, dataset_dir: Path) -> None:
+    """--instance-count 1 with spares: 1 leaves no node (validate refuses 0 nodes): an error,
+    not exit 0. Several instances with a local checkpoint directory: a warning. An s3://
+    checkpoint.url: no CheckpointConfig pointing somewhere else, and the reason said."""
+    def dry(cfg: Path, count: str, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "orchestrator", "sagemaker", "submit", str(cfg),
+               "--image", IMAGE, "--instance-type", "ml.p5.48xlarge", "--instance-count",
+               count, "--role", ROLE, "--output-s3", "s3://jobs/out", "--job-name", "j-1",
+               "--dry-run", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                              env={**env(), "COLUMNS": "250"})
+
+    spare = write_config(tmp_path / "spare.yaml", dataset_dir, cluster={"nodes": 2,
+                                                                        "spares": 1})
+    none_left = dry(spare, "1")
+    assert none_left.returncode == 2, none_left.stdout
+    assert "leaves no node" in none_left.stderr and not none_left.stdout
+    # A count the config's own rules refuse (a chaos kill of rank 3 in a 2-rank world).
+    killed = write_config(tmp_path / "kill.yaml", dataset_dir,
+                          chaos={"kill": [{"step": 5, "rank": 3}]})
+    refused = dry(killed, "2")
+    assert refused.returncode == 2 and "chaos.kill.0.rank" in refused.stderr
+    assert dry(killed, "4").returncode == 0
+
+    local = dry(write_config(tmp_path / "local.yaml", dataset_dir), "2")
+    assert local.returncode == 0, local.stderr
+    said = " ".join(local.stderr.split())
+    assert "warning: 2 instances each keep their own /opt/ml/checkpoints" in said
+    assert json.loads(local.stdout)["CheckpointConfig"]["S3Uri"] == "s3://jobs/out/j-1/checkpoints"
+
+    on_s3 = write_config(tmp_path / "s3.yaml", dataset_dir,
+                         checkpoint={"url": "s3://ckpts/llama"})
+    remote = dry(on_s3, "2", "--checkpoint-s3", "s3://elsewhere/x")
+    assert remote.returncode == 0, remote.stderr
+    request = json.loads(remote.stdout)
+    assert "CheckpointConfig" not in request
+    said = " ".join(remote.stderr.split())
+    assert "checkpoints: s3://ckpts/llama/t (checkpoint.url)" in said
+    assert "--checkpoint-s3 s3://elsewhere/x is not used" in said
+    assert "warning" not in said

@@ -70,6 +70,9 @@ def test_down_checkpoints_at_the_stop_step_and_resume_ends_bit_identical(
     stop_step = committed[-1]
     assert 12 <= stop_step < STEPS
     assert f"final checkpoint at step {stop_step}" in stopped["reason"]
+    # down names the step the job stopped at, not the journal's older progress event.
+    assert f"STOPPED at step {stop_step} (newest checkpoint {stop_step})" in down.stderr, \
+        down.stderr
     assert [e for e in events if e["kind"] == "failure"] == []  # a stop is no failure
 
     resumed = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--resume", str(run)],

@@ -15,9 +15,11 @@ on from the previous checkpoint; ``max_save_failures`` failures in a row end the
 ``CheckpointSaveError`` so the supervisor's restart policy decides.
 
 A restore loads nothing that rank 0 has not verified first: the manifest's signature, every
-entry contained in its step directory, every size and digest. Only then does any rank read
-the files, and DCP unpickles its ``.metadata``. Our own state holds tensors and JSON, and
-DCP's byte items load with ``weights_only=True`` (``SafeLoadPlanner``).
+entry contained in its step directory, every size and digest. Each rank then reads its files
+through ``VerifiedReader``: opened once, checked against that manifest, and only those bytes
+deserialized; DCP's ``.metadata`` with an allow-list of DCP's types, byte items with
+``weights_only=True`` (``SafeLoadPlanner``). A copy that still fails to load is rejected and
+the next candidate loaded (``load``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from trainer.checkpoint import layout, signing
+from trainer.checkpoint import fence, layout, signing
 from trainer.checkpoint.staging import StagingBuffers, StagingWriter
 from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint, trust_refusals
 from trainer.checkpoint.upload import Uploader
+from trainer.checkpoint.verified_reader import VerifiedReader, changed_since_verified
 from trainer.config import CheckpointConfig
 from trainer.state import STATE_FORMAT
 
@@ -48,12 +51,18 @@ from trainer.state import STATE_FORMAT
 _ORPHAN_WAIT_S = 600.0
 # DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
 SaveErrors = (Exception, CheckpointException)
+LoadErrors = (Exception, CheckpointException)
 
 Report = Callable[..., None]  # report(event_name, **data): the worker SDK's event()
 
 
 class CheckpointSaveError(RuntimeError):
     """Too many saves in a row failed: the worker stops so the restart policy applies."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """Every checkpoint tried verified but failed to load (each is rejected): the rank stops
+    rather than train from a state that is partly overwritten."""
 
 
 class CheckpointTrustError(RuntimeError):
@@ -144,6 +153,7 @@ class Checkpointer:
         self.uploader = uploader if rank == 0 else None
         if self.uploader is not None:
             self.uploader.use_trust(lambda: store.trust)
+            self.uploader.fence = store.fence
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -256,13 +266,21 @@ class Checkpointer:
             expected = self._expected_files(p.future.result())
             save_s = time.perf_counter() - p.started
             trust = self.store.trust
+            token = self.store.fence  # the fencing token readers check
             manifest = layout.build_manifest(
-                p.url, expected, fs=primary.fs, key=trust.key if trust is not None else None,
+                p.url, expected, fs=primary.fs, trust=trust,
                 step=p.step, tokens=p.tokens, state_format=STATE_FORMAT,
                 world_size=self.world_size, wall_time_s=round(save_s, 4),
                 blocking_s=round(p.blocking_s, 4), state=self.meta.get("state_layout", {}),
+                **({"generation": token.generation, "run": token.run}
+                   if token.generation is not None and token.run is not None else {}),
                 **{k: v for k, v in self.meta.items() if k != "state_layout"})
+            fence.check_claim(primary.fs, primary.root, token)
             layout.write_manifest(p.url, manifest, primary.fs)
+        except fence.Fenced as exc:  # a newer generation owns the root: never commit here
+            self._fenced(p, exc)
+            done.set_result(None)
+            return
         except SaveErrors as exc:  # noqa: BLE001 - the save failed: report, keep the old ones
             self._failed(p, exc)
             done.set_result(None)
@@ -297,6 +315,16 @@ class Checkpointer:
         self.log(f"checkpoint step {p.step} FAILED: {reason}; the previous checkpoint "
                  f"(step {previous}) stays the restore point "
                  f"({self.failures_in_a_row}/{self.cfg.max_save_failures} failures in a row)")
+
+    def _fenced(self, p: _Pending, exc: fence.Fenced) -> None:
+        """A deposed generation's save: its files go, nothing is committed, no failure is
+        counted (the worker is about to be stopped by its agent's lease anyway)."""
+        try:
+            layout.remove(p.url, self.store.primary.fs)
+        except Exception:  # noqa: BLE001 - the files are never read without a manifest
+            pass
+        self.report("checkpoint_fenced", step=p.step, path=p.url, error=str(exc)[:500])
+        self.log(f"checkpoint step {p.step} NOT committed: {exc}")
 
     def _prune_primary(self, step: int) -> None:
         """Retention after a commit: only checkpoints that verify (sizes, containment, the
@@ -448,6 +476,7 @@ class Checkpointer:
                         signature=refusal.signature if refusal is not None else None)
 
         found = self.store.select(max_step, checksums=True, on_skip=skipped, log=self.log)
+        self._claim(found)
         if found is not None and found.fetched_from is not None:
             self.report("checkpoint_fetched", step=found.step, source=found.fetched_from,
                         path=found.url)
@@ -465,12 +494,45 @@ class Checkpointer:
                     f"or move them away to start afresh")
         return found
 
+    def _claim(self, found: Choice | None) -> None:
+        """Rank 0 of a new generation claims every tier's job root (``fence.json``), so a
+        deposed generation's rank 0 and uploader refuse to commit there from now on."""
+        token = self.store.fence
+        if token.generation is None or token.run is None:
+            return
+        for tier in self.store.tiers:
+            try:
+                if not fence.claim(tier.fs, tier.root, token,
+                                   found.step if found is not None else None):
+                    self.log(f"{tier.root} is claimed by a generation newer than "
+                             f"{token.generation}")
+            except Exception as exc:  # noqa: BLE001 - readers still check the lineage
+                self.log(f"could not claim {tier.root} for generation {token.generation}: "
+                         f"{exc}")
+
     def load(self, state: dict[str, Any], found: Choice | None) -> dict[str, Any] | None:
         """Load the chosen checkpoint into ``state``; returns its manifest (None: nothing
-        chosen). A checkpoint that exists only locally is queued for upload again."""
+        chosen). A checkpoint that exists only locally is queued for upload again.
+
+        A copy that verified but does not load (its files changed since, a pickle the
+        allow-list refuses, a layout this model cannot take) is rejected (``store.reject``:
+        uncommitted, so no restart picks it again), journaled as ``checkpoint_skipped``, and
+        the next candidate is loaded (an older step, or the other tier's copy). Collective.
+        Raises ``CheckpointLoadError`` when none is left: the state is partly overwritten,
+        so the rank must not train from it; the next start finds the rejected copies gone.
+        """
+        tried: list[str] = []
+        while found is not None:
+            problem = self._agree(self._try_read(state, found))
+            if problem is None:
+                break
+            tried.append(f"step {found.step}: {problem}")
+            self._reject(found, problem)
+            found = self.choose(max_step=found.step - 1)
         if found is None:
+            if tried:
+                raise CheckpointLoadError("no checkpoint loads: " + "; ".join(tried[:4]))
             return None
-        self._read(state, found)
         self.last_committed = found.step
         self.restored = found
         if self.uploader is not None and self.store.remote is not None:
@@ -483,14 +545,41 @@ class Checkpointer:
                 self.uploader.submit(found.step)  # a local-only checkpoint: repair the remote
         return found.manifest
 
-    def _read(self, state: dict[str, Any], found: Choice) -> None:
-        """Read the checkpoint's files into ``state`` (DCP; other writers override this)."""
-        if layout.is_remote(found.url):
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    def _try_read(self, state: dict[str, Any], found: Choice) -> str | None:
+        """None when ``found`` loaded into ``state``, else why not (this rank's view)."""
+        try:
+            self._read(state, found)
+        except LoadErrors as exc:  # noqa: BLE001 - any failure moves to the next candidate
+            return explain_failure(exc, found.url)
+        return None
 
-            reader: Any = FsspecReader(found.url)
-        else:
-            reader = dcp.FileSystemReader(layout.filesystem(found.url)[1])
+    def _agree(self, problem: str | None) -> str | None:
+        """The first rank's problem, the same on every rank (all load, or all move on)."""
+        if self.group is None:
+            return problem
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        return next((p for p in problems if p), None)
+
+    def _reject(self, found: Choice, problem: str) -> None:
+        """Rank 0: uncommit the copy that did not load, and say why."""
+        if self.rank != 0:
+            return
+        everywhere = not changed_since_verified(problem)
+        try:
+            where = self.store.reject(found, everywhere=everywhere)
+        except Exception as exc:  # noqa: BLE001 - reported; the next candidate still loads
+            where = [f"(could not uncommit it: {type(exc).__name__}: {exc})"]
+        self.log(f"checkpoint step {found.step} at {found.url} verified but did not load, "
+                 f"rejected ({', '.join(where) or 'nothing uncommitted'}): {problem}")
+        self.report("checkpoint_skipped", step=found.step, path=found.url, tier=found.tier,
+                    reason=f"verified but did not load: {problem}"[:4000],
+                    problems=[problem[:4000]], stage="load")
+
+    def _read(self, state: dict[str, Any], found: Choice) -> None:
+        """Read the checkpoint's files into ``state`` (DCP; other writers override this):
+        every file through ``VerifiedReader``, the bytes checked being the bytes loaded."""
+        reader = VerifiedReader(found.url, found.manifest)
         for obj in state.values():  # format-dependent templates (``RngState``)
             if hasattr(obj, "prepare_load"):
                 obj.prepare_load(found.manifest)

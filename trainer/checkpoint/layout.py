@@ -41,6 +41,7 @@ from typing import IO, Any
 
 import fsspec
 
+from trainer.checkpoint import manifest as manifest_format
 from trainer.checkpoint import signing
 from trainer.checkpoint.files import (  # noqa: F401 (layout.X stays the public name)
     _CHUNK,
@@ -188,9 +189,10 @@ class StepReader:
 
 def build_manifest(step_url: str, expected: Iterable[str] = (), *,
                    fs: fsspec.AbstractFileSystem | None = None, key: bytes | None = None,
-                   algorithm: str = CHECKSUM, **meta: Any) -> dict[str, Any]:
+                   algorithm: str = CHECKSUM, trust: signing.Trust | None = None,
+                   **meta: Any) -> dict[str, Any]:
     """The manifest of a finished step directory: every file's size and digest, plus meta,
-    signed with ``key`` (None: unsigned, for tests and benchmarks).
+    signed by ``trust`` (with its key or its signer) or with ``key`` (neither: unsigned).
 
     ``expected`` names files that must be there (DCP's metadata lists every rank's files): a
     rank whose files this process cannot see (a local tier that is not shared by all ranks)
@@ -220,6 +222,8 @@ def build_manifest(step_url: str, expected: Iterable[str] = (), *,
         files = dict(_map(describe, names))
     manifest = {"format": FORMAT if algorithm in CRYPTOGRAPHIC else FORMAT_1,
                 "checksum": algorithm, **meta, "files": files, "created": time.time()}
+    if trust is not None and trust.can_sign:
+        return trust.sign(manifest)  # the key, or the node agent that holds it
     return signing.sign(manifest, key) if key is not None else manifest
 
 
@@ -236,7 +240,7 @@ def write_manifest(step_url: str, manifest: dict[str, Any],
     if problem:
         raise Unsafe(problem)
     tmp = target + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o666)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
@@ -253,7 +257,8 @@ def _fsync(f: Any) -> None:
 
 def _load_manifest(fs: fsspec.AbstractFileSystem, path: str,
                    ) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) or (None, why not): a local manifest must be a regular file."""
+    """(manifest, None) or (None, why not): a local manifest must be a regular file; its
+    bytes are read and typed by ``manifest.parse`` (bounded, never raises)."""
     try:
         if is_local(fs):
             with LocalStep(path) as step, step.open(MANIFEST) as f:
@@ -270,13 +275,7 @@ def _load_manifest(fs: fsspec.AbstractFileSystem, path: str,
         return None, f"{MANIFEST}: missing or unreadable"
     if len(data) > _MANIFEST_MAX:
         return None, f"{MANIFEST}: larger than {_MANIFEST_MAX} bytes"
-    try:
-        manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None, f"{MANIFEST}: missing or unreadable"
-    if not isinstance(manifest, dict):
-        return None, f"{MANIFEST}: not a JSON object"
-    return manifest, None
+    return manifest_format.parse(data)
 
 
 def read_manifest(step_url: str, fs: fsspec.AbstractFileSystem | None = None,
@@ -314,7 +313,7 @@ def authenticate(manifest: dict[str, Any], trust: signing.Trust | None,
     checked). A signed manifest must vouch for cryptographic digests."""
     if trust is None:
         return signing.UNCHECKED, None
-    outcome, message = signing.check(manifest, trust.key)
+    outcome, message = trust.check(manifest)
     if outcome == signing.SIGNED:
         weak = sorted(rel for rel, meta in (manifest.get("files") or {}).items()
                       if isinstance(meta, dict) and not any(a in meta for a in CRYPTOGRAPHIC))

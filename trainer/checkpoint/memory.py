@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
+from trainer.checkpoint.memory_load import load_copy, objects_digest
 from trainer.checkpoint.memory_slots import (
     Copy,
     DigestAhead,
@@ -81,18 +82,6 @@ def _to_slot(buf: Any, offset: int, src: torch.Tensor, nbytes: int) -> None:
     else:
         dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
         dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-
-
-def _from_slot(data: Any, offset: int, dst: torch.Tensor, dtype: torch.dtype) -> None:
-    """Copy the segment at ``offset`` into ``dst`` (shape and dtype already checked)."""
-    nbytes = dst.numel() * dst.element_size()
-    if dst.device.type == "cpu" and dst.is_contiguous():
-        anchor = ctypes.c_char.from_buffer(data, offset)
-        ctypes.memmove(dst.data_ptr(), ctypes.addressof(anchor), nbytes)
-        del anchor
-    else:
-        src = torch.frombuffer(data, dtype=dtype, count=dst.numel(), offset=offset)
-        dst.copy_(src.view(dst.shape), non_blocking=True)
 
 
 def _with_staged(live: Any, staged: Any, where: str) -> Any:
@@ -397,7 +386,7 @@ class MemoryTier:
             format=mf.FORMAT, job=self.job, config_hash=self.config_hash, rank=self.rank,
             world_size=self.world_size, step=step, tokens=tokens, generation=self.generation,
             keys=keys, segments=segments, objects=mf.Blob(offset=offset, nbytes=len(blob)),
-            data_bytes=end, digest="blake3:" + "0" * 64)
+            data_bytes=end, digest="blake3:" + "0" * 64, objects_digest=objects_digest(blob))
 
     def _commit(self, slot: str, buf: mmap.mmap | None, staged: mf.MemoryManifest | None,
                 prepare: int | None = None) -> None:
@@ -423,7 +412,7 @@ class MemoryTier:
             body = staged.model_copy(update={"digest": digest})
             trust = self.trust
             manifest = mf.encode(mf.sign(body.model_dump(mode="json", exclude_none=True),
-                                         trust.key if trust is not None else None))
+                                         trust))
             self.slots.commit("own", self.rank, slot, manifest)
             self.last_step = staged.step
         if not self.partnered:
@@ -661,48 +650,22 @@ class MemoryTier:
         return data, manifest, problem
 
     def load(self, plan: Plan, state: dict[str, Any]) -> None:
-        """Copy the planned copy into ``state``: each tensor segment straight into the
-        tensor the fresh state dict holds at its place, then each part's
-        ``load_state_dict``. Raises ValueError when the layout does not match."""
+        """Copy the planned copy into ``state`` (``memory_load.load_copy``). Raises
+        ValueError when it does not load; the copy is then uncommitted, so no restart
+        picks it again (the next one takes the partner's copy or the durable tier)."""
         assert plan.use and plan.data is not None and plan.manifest is not None
-        m, data = plan.manifest, plan.data
-        if sorted(state) != m.keys:
-            raise ValueError(f"state parts {sorted(state)} differ from the copy's {m.keys}")
-        tree = torch.load(io.BytesIO(data[m.objects.offset:m.objects.offset +
-                                          m.objects.nbytes]), weights_only=True)
-        if not isinstance(tree, dict) or sorted(tree) != m.keys:
-            raise ValueError("the copy's object tree does not name its parts")
-
-        def fill(i: int, target: Any, path: str) -> Any:
-            if not 0 <= i < len(m.segments) or not _is_tensor(target):
-                raise ValueError(f"{path}: no tensor to restore segment {i} into")
-            seg, local = m.segments[i], _local(target)
-            if list(local.shape) != seg.shape or _dtype_name(local) != seg.dtype:
-                raise ValueError(f"{path}: {seg.dtype}{seg.shape} in memory, "
-                                 f"{_dtype_name(local)}{list(local.shape)} here")
-            if seg.nbytes:
-                c0 = time.perf_counter()
-                with torch.no_grad():
-                    _from_slot(data, seg.offset, local, getattr(torch, seg.dtype))
-                self.last_copy_s += time.perf_counter() - c0
-            return target
-
         buf = self.slots.map("own", self.rank, plan.slot) if self.pin_restore and \
             plan.slot is not None else None
-        pinned = Pinned(buf, m.data_bytes) if buf is not None else None
-        filled = {}
-        self.last_copy_s = 0.0  # of the load: the copies alone (the rest: the templates)
         try:
-            for key in m.keys:
-                template = state[key].state_dict()
-                filled[key] = mf.unflatten(tree[key], template, fill, key)
-            if self.device_type == "cuda":
-                torch.cuda.synchronize()
-        finally:
-            if pinned is not None:
-                pinned.release()
-        for key in m.keys:
-            state[key].load_state_dict(filled[key])
+            self.last_copy_s = load_copy(plan.data, plan.manifest, state,
+                                         pin=Pinned(buf, plan.manifest.data_bytes)
+                                         if buf is not None else None,
+                                         cuda=self.device_type == "cuda")
+        except Exception as exc:  # noqa: BLE001 - any failure: this copy never loads
+            if plan.slot is not None:
+                self.slots.uncommit("own", self.rank, plan.slot)
+            raise ValueError(f"the step {plan.step} memory copy does not load (uncommitted):"
+                             f" {type(exc).__name__}: {str(exc)[:300]}") from None
         self.last_step = plan.step
 
     def invalidate_after(self, step: int) -> list[str]:

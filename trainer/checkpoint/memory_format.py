@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from orchestrator import readback
 from trainer.checkpoint import signing
 
 FORMAT = "orchestrator-memory/1"
@@ -84,6 +85,9 @@ class MemoryManifest(BaseModel):
     objects: Blob
     data_bytes: Size  # the end of the last segment: what the slot must hold at least
     digest: Annotated[str, Field(pattern=r"^blake3:[0-9a-f]{64}$")]
+    # The objects blob's own digest: the blob is deserialized, so a restore checks the
+    # private copy it loads from against this (``memory_load``).
+    objects_digest: Annotated[str, Field(pattern=r"^blake3:[0-9a-f]{64}$")] | None = None
     signature: dict[str, str] | None = None
 
     @model_validator(mode="after")
@@ -116,8 +120,14 @@ def parse_slot_name(name: str) -> tuple[str, int, str, str] | None:
     return (m.group(1), int(m.group(2)), m.group(3), m.group(4)) if m else None
 
 
-def sign(manifest: dict[str, Any], key: bytes | None) -> dict[str, Any]:
-    return signing.sign(manifest, key) if key is not None else dict(manifest)
+def sign(manifest: dict[str, Any], trust: signing.Trust | bytes | None) -> dict[str, Any]:
+    """``manifest`` signed with a key, or by the trust's key or signer (the node agent,
+    which signs a memory copy only for the rank it names); unsigned with neither."""
+    if isinstance(trust, bytes):
+        return signing.sign(manifest, trust)
+    if trust is not None and trust.can_sign:
+        return trust.sign(manifest, "memory")
+    return dict(manifest)
 
 
 def encode(manifest: dict[str, Any]) -> bytes:
@@ -127,14 +137,10 @@ def encode(manifest: dict[str, Any]) -> bytes:
 def parse_manifest(raw: bytes) -> MemoryManifest:
     """``raw`` (a manifest file's bytes) as a ``MemoryManifest``; ValueError names the
     problem. Never raises anything else, whatever the bytes."""
-    if len(raw) > MANIFEST_MAX_BYTES:
-        raise ValueError(f"manifest of {len(raw)} bytes (at most {MANIFEST_MAX_BYTES})")
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"manifest is not JSON: {str(exc)[:120]}") from None
-    if not isinstance(data, dict):
-        raise ValueError("manifest is not a JSON object")  # noqa: TRY004 - one error type
+        data = readback.loads_object(raw, readback.MEMORY_MANIFEST)
+    except readback.Unreadable as exc:
+        raise ValueError(f"manifest is not one of ours: {exc}") from None
     try:
         return MemoryManifest.model_validate(data)
     except ValidationError as exc:
@@ -150,7 +156,7 @@ def check(m: MemoryManifest, *, trust: signing.Trust | None, job: str,
     its digest verifies): the signature, then the job, rank, world layout and size."""
     raw = m.model_dump(mode="json", exclude_none=True)
     if trust is not None:
-        outcome, message = signing.check(raw, trust.key)
+        outcome, message = trust.check(raw)
         if outcome != signing.SIGNED and not (outcome == signing.UNSIGNED
                                               and trust.trust_unsigned):
             return message

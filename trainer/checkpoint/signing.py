@@ -31,7 +31,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 KEY_ENV = "ORCH_CHECKPOINT_KEY"
 KEY_FILE_ENV = "ORCH_CHECKPOINT_KEY_FILE"
@@ -53,18 +53,53 @@ class SigningKeyError(RuntimeError):
     """The key named by the environment cannot be read, or is too short."""
 
 
+class Signer(Protocol):
+    """Who holds the key when this process does not: a managed rank's node agent
+    (``orchestrator.worker.keyclient.AgentSigner``)."""
+
+    @property
+    def key_id(self) -> str | None: ...
+
+    def signature(self, manifest: dict[str, Any], scope: str) -> dict[str, str]: ...
+
+    def check(self, manifest: dict[str, Any]) -> tuple[str, str]: ...
+
+
 @dataclass(frozen=True)
 class Trust:
     """What a verification accepts: checkpoints signed with ``key``, and unsigned ones too
-    when ``trust_unsigned`` (the operator's ``--trust-unsigned``)."""
+    when ``trust_unsigned`` (the operator's ``--trust-unsigned``). A managed rank holds no
+    key: its ``signer`` (the node agent) signs and checks for it."""
 
     key: bytes | None
     trust_unsigned: bool = False
     source: str = ""  # where the key came from, for messages
+    signer: Signer | None = None
 
     @property
     def key_id(self) -> str | None:
-        return key_id(self.key) if self.key is not None else None
+        if self.key is not None:
+            return key_id(self.key)
+        return self.signer.key_id if self.signer is not None else None
+
+    @property
+    def can_sign(self) -> bool:
+        return self.key is not None or self.signer is not None
+
+    def sign(self, manifest: dict[str, Any], scope: str = "manifest") -> dict[str, Any]:
+        """``manifest`` signed (a new dict); unsigned when there is no key at all."""
+        if self.key is not None:
+            return sign(manifest, self.key)
+        out = {k: v for k, v in manifest.items() if k != SIGNATURE}
+        if self.signer is not None:
+            out[SIGNATURE] = self.signer.signature(out, scope)
+        return out
+
+    def check(self, manifest: dict[str, Any]) -> tuple[str, str]:
+        """``check`` with this trust's key, wherever it is held."""
+        if self.key is None and self.signer is not None and manifest.get(SIGNATURE) is not None:
+            return self.signer.check(manifest)
+        return check(manifest, self.key)
 
 
 def key_id(key: bytes) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 import fsspec
 
 from trainer.checkpoint import layout, signing
+from trainer.checkpoint.fence import Fence
 from trainer.checkpoint.retry import no_retry
 
 LOCAL, REMOTE = "local", "remote"
@@ -120,11 +121,14 @@ class CheckpointStore:
 
     def __init__(self, primary: Tier, remote: Tier | None = None,
                  retry: Callable[[Callable[[], Any]], Any] = no_retry,
-                 trust: signing.Trust | Callable[[], signing.Trust] | None = None) -> None:
+                 trust: signing.Trust | Callable[[], signing.Trust] | None = None,
+                 fence: Fence | None = None) -> None:
         self.primary = primary
         self.remote = remote
         self.retry = retry  # wraps each remote request (transient errors retried)
         self._trust = trust
+        # The reader's generation and lineage: a deposed generation's checkpoint is refused.
+        self.fence = fence or Fence()
         self.refused: list[Refusal] = []  # what the last ``select`` passed over
 
     @property
@@ -180,9 +184,10 @@ class CheckpointStore:
                 else:
                     result = layout.verify(info.url, checksums=checksums, fs=tier.fs,
                                            trust=self.trust)
+                    fenced = fenced_problems(self.fence, result.manifest)
                     choice = Choice(step, tier.name, info.url, result.manifest) \
-                        if result.ok and result.manifest is not None else None
-                    problems, outcome, manifest = result.problems, result.signature, \
+                        if result.ok and result.manifest is not None and not fenced else None
+                    problems, outcome, manifest = fenced + result.problems, result.signature, \
                         result.manifest
                 if choice is not None:
                     return choice
@@ -232,6 +237,7 @@ class CheckpointStore:
         outcome, denied = layout.authenticate(manifest, self.trust)
         if denied:
             problems.insert(0, denied)
+        problems[:0] = fenced_problems(self.fence, manifest if not denied else None)
         if problems:
             return None, problems, outcome, manifest
         t0 = time.perf_counter()
@@ -261,6 +267,25 @@ class CheckpointStore:
         return Choice(step, self.primary.name, dst, manifest, fetched_from=src), [], \
             result.signature, manifest
 
+    def reject(self, choice: Choice, everywhere: bool) -> list[str]:
+        """Uncommit a copy that verified but did not load: its manifest becomes
+        ``REJECTED`` (kept for the operator, never read as a commit), so no restart picks
+        it again. The copy read, and with ``everywhere`` every tier's copy of the same
+        checkpoint (the same files and digests: the content itself does not load). Returns
+        the step URLs uncommitted."""
+        done = []
+        for tier in self.tiers:
+            url = tier.step_url(choice.step)
+            if url != choice.url and url != choice.fetched_from:
+                if not everywhere or not same_checkpoint(
+                        layout.read_manifest(url, tier.fs), choice.manifest):
+                    continue
+            elif url == choice.fetched_from and not everywhere:
+                continue
+            if uncommit(url, tier.fs):
+                done.append(url)
+        return done
+
     def _copy_in(self, reader: layout.StepReader, rel: str, dst_path: str) -> None:
         """One remote file into the new local step directory (``rel`` already checked)."""
         if not layout.is_local(self.primary.fs):
@@ -270,9 +295,37 @@ class CheckpointStore:
             return
         target = os.path.join(dst_path, *rel.split("/"))
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
         with reader.open(rel) as src, os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(src, out, _COPY_CHUNK)
+
+
+REJECTED = "manifest.rejected.json"
+
+
+def uncommit(step_url: str, fs: fsspec.AbstractFileSystem | None = None) -> bool:
+    """Rename a step's manifest to ``REJECTED`` (the step is no longer committed); False
+    when it had none. A local step directory that is a link is not followed."""
+    fs, path = layout.filesystem(step_url, fs)
+    src, dst = posixpath.join(path, layout.MANIFEST), posixpath.join(path, REJECTED)
+    if layout.is_local(fs):
+        if layout.step_dir_problem(path) is not None or not os.path.lexists(src):
+            return False
+        os.replace(src, dst)
+        return True
+    if not fs.exists(src):
+        return False
+    fs.copy(src, dst)
+    fs.rm(src)
+    return True
+
+
+def fenced_problems(fence: Fence, manifest: dict[str, Any] | None) -> list[str]:
+    """``[why]`` when ``fence`` refuses the checkpoint of ``manifest`` (one written by a
+    deposed generation, ``trainer.checkpoint.fence``), else ``[]``. Only a manifest whose
+    signature verified carries a generation worth reading."""
+    refusal = fence.refusal(manifest)
+    return [refusal] if refusal else []
 
 
 @dataclass(frozen=True)
@@ -326,26 +379,46 @@ def trust_refusals(refused: list[Refusal], trust: signing.Trust | None) -> list[
 
 
 def default_trust(cfg: Any, root: str) -> Callable[[], signing.Trust]:
-    """The job's trust, loaded when first needed: the key from the environment, else the
-    one beside the primary tier's root (created by the first writer, ``signing``)."""
+    """The job's trust, loaded when first needed. A rank its node agent runs holds no key:
+    the agent signs and checks for it (``orchestrator.worker.keyclient``). Any other
+    process (``python -m trainer`` alone, a tool) uses the key from the environment, else
+    the one beside the primary tier's root (created by the first writer, ``signing``)."""
     def load() -> signing.Trust:
+        trust_unsigned = bool(getattr(cfg, "trust_unsigned", False))
+        signer = agent_signer(os.environ)
+        if signer is not None:
+            return signing.Trust(None, trust_unsigned, "the node agent", signer=signer)
         return signing.trust_from(cfg.local_url or root, create=True,
-                                  trust_unsigned=bool(getattr(cfg, "trust_unsigned", False)))
+                                  trust_unsigned=trust_unsigned)
     return load
+
+
+def agent_signer(env: Any) -> signing.Signer | None:
+    """The node agent's key service for this rank, when a node agent runs it."""
+    from orchestrator import envcontract as ec
+
+    agent = ec.AgentEnv.from_env(env)
+    if not agent.managed or agent.agent_socket is None:
+        return None
+    from orchestrator.worker.keyclient import AgentSigner
+
+    return AgentSigner(agent.agent_socket, ec.get_int(env, "RANK", 0, minimum=0) or 0)
 
 
 def open_store(cfg: Any, job: str, root: str,
                retry: Callable[[Callable[[], Any]], Any] = no_retry,
-               trust: signing.Trust | None = None) -> CheckpointStore:
+               trust: signing.Trust | None = None, fence: Fence | None = None,
+               ) -> CheckpointStore:
     """The tiers of ``job`` from a ``CheckpointConfig``: ``root`` (the checkpoint root the
     supervisor hands out) is the only tier, or the remote one when ``cfg.local_url`` is set.
-    ``trust`` defaults to the job's key, read on first use (``default_trust``)."""
+    ``trust`` defaults to the job's key, read on first use (``default_trust``); ``fence``
+    (the generation and lineage of the reader) refuses a deposed generation's checkpoints."""
     main = layout.job_url(root, job)
     key = trust if trust is not None else default_trust(cfg, root)
     if cfg.local_url:
         return CheckpointStore(Tier.at(layout.job_url(cfg.local_url, job), LOCAL),
-                               Tier.at(main, REMOTE), retry, key)
-    return CheckpointStore(Tier.at(main), None, retry, key)
+                               Tier.at(main, REMOTE), retry, key, fence)
+    return CheckpointStore(Tier.at(main), None, retry, key, fence)
 
 
 def resolve(url: str) -> tuple[str, int | None]:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer.checkpoint import layout, signing
+from trainer.checkpoint import fence, layout, signing
 from trainer.checkpoint.retry import describe, retrying
 from trainer.checkpoint.store import Tier
 
@@ -58,6 +58,10 @@ class Uploader:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "ckpt-upload")
         self.uploaded: list[int] = []
         self.failed: list[int] = []
+        self.fenced: list[int] = []
+        # This rank's fencing token: a remote root claimed by a newer generation is not
+        # written to (the checkpointer hands over its store's).
+        self.fence = fence.Fence()
 
     @property
     def trust(self) -> signing.Trust | None:
@@ -136,7 +140,13 @@ class Uploader:
             sizes = retry(lambda: self._remote_sizes(dst_path, manifest))
             if sizes:
                 raise UploadError(f"remote copy differs after upload: {'; '.join(sizes)}")
+            retry(lambda: fence.check_claim(self.remote.fs, self.remote.root, self.fence))
             retry(lambda: layout.write_manifest(dst, manifest, self.remote.fs))
+        except fence.Fenced as exc:  # deposed: the remote copy stays uncommitted
+            self.fenced.append(step)
+            self.report("checkpoint_fenced", step=step, path=dst, error=str(exc)[:500])
+            self.log(f"upload of checkpoint step {step} NOT committed: {exc}")
+            return
         except Exception as exc:  # noqa: BLE001 - reported; the local copy stays the restore point
             self.failed.append(step)
             self.report("checkpoint_upload_failed", step=step, path=dst, error=describe(exc),

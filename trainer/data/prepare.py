@@ -30,7 +30,8 @@ import numpy as np
 from trainer.tokenizer import load_tokenizer
 
 __all__ = ["INDEX_NAME", "INDEX_VERSION", "shard_name", "token_dtype", "stdlib_sources",
-           "resolve_sources", "read_index", "prepare_dataset", "local_path", "ensure_dataset"]
+           "resolve_sources", "read_index", "prepare_dataset", "local_path", "ensure_dataset",
+           "default_max_bytes"]
 
 INDEX_NAME = "index.json"
 INDEX_VERSION = 1
@@ -193,18 +194,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def default_max_bytes(sources: Sequence[str | Path] | str) -> int | None:
+    """The cap when none is given: a sample of the standard library (8 MiB), every byte of
+    files the operator names (a cap that drops their data must be asked for)."""
+    return DEFAULT_MAX_BYTES if isinstance(sources, str) else None
+
+
 def prepare_dataset(sources: Sequence[str | Path] | str, out_dir: str | Path,
                     tokenizer_spec: str = "byte", shard_tokens: int = 1 << 20,
-                    max_bytes: int = DEFAULT_MAX_BYTES,
+                    max_bytes: int | None = DEFAULT_MAX_BYTES,
                     progress: Progress | None = None) -> dict[str, Any]:
     """Prepare token shards in local ``out_dir`` and return the index (see the module doc).
 
     ``sources`` is ``"stdlib"`` or a list of files / globs; ``.jsonl`` files give one document
-    per line from the "text" field. At most ``max_bytes`` of source text is read: documents past
-    the cap are left out and the index records ``"truncated": true``. When ``out_dir`` already
-    holds a complete dataset of the same tokenizer it is returned without work.
-    ``progress(done_bytes, total_bytes)`` is called as files are read.
+    per line from the "text" field. At most ``max_bytes`` of source text is read (None: no
+    cap): documents past the cap are left out and the index records ``"truncated": true`` and
+    what was left out (``left_out_bytes``; ``left_out_files``: named files left out in
+    whole or in part). When
+    ``out_dir`` already holds a complete dataset of the same tokenizer it is returned without
+    work. ``progress(done_bytes, total_bytes)`` is called as files are read.
     """
+    if max_bytes is None:
+        max_bytes = 1 << 62
     if shard_tokens <= 0 or max_bytes <= 0:
         raise ValueError("shard_tokens and max_bytes must be positive")
     out = Path(out_dir).expanduser()
@@ -231,7 +242,8 @@ def prepare_dataset(sources: Sequence[str | Path] | str, out_dir: str | Path,
         files = resolve_sources(sources)
         names = [str(p) for p in files]
         kind = "files"
-    total_bytes = min(sum(p.stat().st_size for p in files), max_bytes)
+    source_bytes = sum(p.stat().st_size for p in files)
+    total_bytes = min(source_bytes, max_bytes)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -240,13 +252,16 @@ def prepare_dataset(sources: Sequence[str | Path] | str, out_dir: str | Path,
         dtype = token_dtype(tokenizer.vocab_size)
         writer = _ShardWriter(tmp, shard_tokens, dtype)
         eos = np.array([tokenizer.eos_id], dtype=np.int64)
-        done = documents = 0
+        done = documents = files_read = 0
         truncated = False
         last_report = 0
+        first_too_big: tuple[Path, int] | None = None
         for path in files:
+            files_read += 1
             for text, nbytes in _documents(path):
                 if done + nbytes > max_bytes:
                     truncated = True
+                    first_too_big = first_too_big or (path, nbytes)
                     break
                 writer.add(np.concatenate([tokenizer.encode_array(text), eos]))
                 documents += 1
@@ -264,8 +279,11 @@ def prepare_dataset(sources: Sequence[str | Path] | str, out_dir: str | Path,
             # The estimate counted blank JSONL lines and the cap; end the bar exactly full.
             progress(done, done)
         if documents == 0:
-            raise ValueError(f"no documents fit in max_bytes={max_bytes} from {len(files)} "
-                             "source file(s)")
+            where = f" (the first document, in {first_too_big[0]}, is {first_too_big[1]:,} " \
+                    "bytes)" if first_too_big else ""
+            raise ValueError(f"no documents fit in max_bytes={max_bytes:,} from {len(files)} "
+                             f"source file(s){where}: raise the cap (data prepare "
+                             "--max-bytes, trainer.data.prepare_max_bytes)")
         index = {
             "version": INDEX_VERSION,
             "tokenizer": described,
@@ -277,6 +295,9 @@ def prepare_dataset(sources: Sequence[str | Path] | str, out_dir: str | Path,
             "source_bytes": done,
             "max_bytes": max_bytes,
             "truncated": truncated,
+            "left_out_bytes": max(0, source_bytes - done) if truncated else 0,
+            "left_out_files": len(files) - files_read + (1 if truncated else 0)
+            if truncated and kind == "files" else 0,
         }
         # Written last inside the temporary directory: a directory with an index is complete.
         with open(tmp / INDEX_NAME, "w") as f:
@@ -341,8 +362,9 @@ def ensure_dataset(data_cfg: Any, progress: Any = None) -> str:
                     f"no prepared dataset at {local} ({INDEX_NAME} missing) and "
                     "data.prepare_from is null; set data.prepare_from or prepare the shards"
                 )
+            cap = data_cfg.prepare_max_bytes or default_max_bytes(data_cfg.prepare_from)
             index = prepare_dataset(data_cfg.prepare_from, local, data_cfg.tokenizer,
-                                    max_bytes=data_cfg.prepare_max_bytes, progress=progress)
+                                    max_bytes=cap, progress=progress)
         found = index["tokenizer"]
         path = str(local)
     if found != expected:

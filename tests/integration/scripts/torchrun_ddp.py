@@ -11,8 +11,13 @@ Environment (all optional):
   SNAPSHOT    a file rank 0 saves {"step": n} to every 5 steps and every rank resumes from
   DEFAULT_SIGUSR1_RANK  rank that resets SIGUSR1 to its default action (kills the process):
               a script that replaced the stack-dump handler
+  EVAL_EVERY  rank 0 evaluates every N steps (model.eval(), no_grad) ...
+  EVAL_S      ... for this many seconds (default 0) while the others wait in their next step
+  SAVE_EVERY  rank 0 saves the model with torch.save every N steps ...
+  SAVE_S      ... to a slow disk: the save takes this many seconds (default 0)
 """
 
+import io
 import json
 import os
 import signal
@@ -21,6 +26,25 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+
+class SlowDisk(io.BytesIO):
+    """A file whose writes take ``seconds`` in all (a slow shared filesystem)."""
+
+    def __init__(self, path: str, seconds: float) -> None:
+        super().__init__()
+        self.path, self.seconds = path, seconds
+
+    def write(self, data) -> int:
+        if self.seconds:  # inside torch.save: the first write waits for the disk
+            time.sleep(self.seconds)
+            self.seconds = 0.0
+        return super().write(data)
+
+    def close(self) -> None:
+        with open(self.path, "wb") as f:
+            f.write(self.getvalue())
+        super().close()
 
 
 def main() -> None:
@@ -60,11 +84,27 @@ def main() -> None:
             with open(snapshot + ".tmp", "w") as f:
                 json.dump({"step": step + 1}, f)
             os.replace(snapshot + ".tmp", snapshot)
+        if rank == 0 and every(step, "EVAL_EVERY"):
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(64, 4)).sum().item()
+            time.sleep(float(os.environ.get("EVAL_S", "0")))
+            model.train()
+        if rank == 0 and every(step, "SAVE_EVERY"):
+            disk = SlowDisk(os.path.join(os.getcwd(), "model.pt"),
+                            float(os.environ.get("SAVE_S", "0")))
+            torch.save(model.state_dict(), disk)
+            disk.close()
         if step_s:
             time.sleep(step_s)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
+
+
+def every(step: int, name: str) -> bool:
+    n = int(os.environ.get(name, "0"))
+    return n > 0 and (step + 1) % n == 0
 
 
 if __name__ == "__main__":

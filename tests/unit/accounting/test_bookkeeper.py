@@ -187,3 +187,39 @@ def test_the_periodic_refresh_lets_the_loop_serve_between_chunks_and_folds_each_
     assert keeper.ledger.seconds == pytest.approx(
         compute_books(s.events, s.records, 100.0).seconds)
     assert not keeper._backlog
+
+
+def test_a_resumed_supervisor_books_no_failure_detection_in_a_run_with_no_failure(
+        tmp_path: Path) -> None:
+    """A supervisor killed with kill -9 and resumed: until its agents' records catch up, the
+    books provisionally call the time since the last step failure_detection (no step for
+    longer than any took). That guess is the goodput gauge's to show; the counter, which
+    cannot give it back when the records arrive, holds it until a failure confirms it."""
+    s = Script(steps=100).start()
+    s.steps(1, 5.0, 20)  # steps 1-20 at 5-24 s, 1 s each
+    s.event(40.0, "supervisor_started", resumed=True)  # the gap: 24-40 s
+    run = RunDir(tmp_path)
+    write(run.journal, s.events)
+    write(run.steps, s.records)
+    clock = FakeClock(40.0)
+    metrics = SupervisorMetrics(CollectorRegistry(), "t")
+    keeper = BookKeeper(run, metrics, clock)
+    clock.t = 43.0  # the agents re-register; their records have not come in yet
+    ledger = keeper.refresh()
+    assert ledger.seconds["failure_detection"] > 1.0  # the live guess, in the books
+    assert value(metrics, "orchestrator_badput_seconds_total",
+                 category="failure_detection") == 0.0
+    # The records the agents kept meanwhile arrive: it was training all along.
+    s.steps(21, 25.0, 19)
+    write(run.steps, s.records[20:])
+    ledger = keeper.refresh()
+    assert ledger.seconds["failure_detection"] == pytest.approx(0.0, abs=1e-9)
+    assert value(metrics, "orchestrator_badput_seconds_total",
+                 category="failure_detection") == 0.0
+    # A real failure: its detection is booked and counted once the stop is journaled.
+    clock.t = 50.0
+    s.crash(48.0, exit_ts=44.5, newest_ckpt=None)
+    write(run.journal, s.events[-5:])
+    ledger = keeper.refresh()
+    counted = value(metrics, "orchestrator_badput_seconds_total", category="failure_detection")
+    assert counted == pytest.approx(ledger.seconds["failure_detection"]) and counted > 3.0

@@ -31,9 +31,16 @@ needs_promtool = pytest.mark.skipif(not have_prometheus(), reason="promtool not 
 
 
 def exported_names() -> set[str]:
-    """Every sample name on a supervisor's /metrics (_bucket, _sum, _count, _total, ...)."""
+    """Every sample name on a supervisor's /metrics (_bucket, _sum, _count, _total, ...),
+    those that appear once known (a step, a checkpoint, the job's config) included."""
     metrics = SupervisorMetrics(CollectorRegistry(), "demo")
     metrics.set_info("tiny", "cpu")
+    metrics.set_thresholds(3.0)
+    metrics.on_event({"kind": "job_created", "ts": 1.0, "steps": 10})
+    metrics.on_event({"kind": "checkpoint_committed", "step": 5, "ts": 2.0})
+    metrics.on_record({"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0,
+                       "param_norm": 9.0, "ts": 3.0})
+    metrics.on_stability({"running_mean": 1.0, "growth_ratio": 1.0}, [])
     text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 

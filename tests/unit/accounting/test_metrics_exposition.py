@@ -54,6 +54,9 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_last_checkpoint_timestamp_seconds": ("gauge", {}),
     "orchestrator_last_step_timestamp_seconds": ("gauge", {}),
     "orchestrator_job_created_timestamp_seconds": ("gauge", {}),
+    "orchestrator_training_steps_target": ("gauge", {}),
+    "orchestrator_stability_growth_ratio_threshold": ("gauge", {}),
+    "orchestrator_checkpoint_failures": ("counter", {"stage": ("save", "upload")}),
     # One series per check of the health-check catalog.
     "orchestrator_health_check_failures": ("counter", {"check": CHECK_NAMES}),
     "orchestrator_supervisor_late_seconds": ("counter", {}),
@@ -66,6 +69,18 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "orchestrator_heartbeats": ("counter", {"door": HEARTBEAT_DOORS}),
     "orchestrator_heartbeat_process_up": ("gauge", {}),
 }
+
+
+# Absent until known (a first step, a first checkpoint, the job's config): a 0.0 loss or a
+# checkpoint at the epoch (a "last checkpoint age" of 56 years) is never exported.
+UNTIL_KNOWN = {"orchestrator_loss", "orchestrator_learning_rate", "orchestrator_grad_norm",
+               "orchestrator_grad_norm_running_mean", "orchestrator_grad_norm_growth_ratio",
+               "orchestrator_param_norm", "orchestrator_last_checkpoint_step",
+               "orchestrator_last_checkpoint_timestamp_seconds",
+               "orchestrator_last_step_timestamp_seconds",
+               "orchestrator_job_created_timestamp_seconds",
+               "orchestrator_training_steps_target",
+               "orchestrator_stability_growth_ratio_threshold"}
 
 
 def families(metrics: SupervisorMetrics) -> dict:
@@ -103,7 +118,9 @@ def test_names_types_and_labels_are_as_specified(metrics: SupervisorMetrics) -> 
         for label, values in labels.items():
             # Every value of every bounded label is there before its first event.
             assert {s.labels[label] for s in fam.samples} == set(values), name
-        if not labels or any(labels.values()):
+        if name in UNTIL_KNOWN:
+            assert not fam.samples, f"{name} exported before it is known"
+        elif not labels or any(labels.values()):
             assert fam.samples, f"{name} has no series at start-up"
 
 
@@ -175,3 +192,35 @@ def test_two_supervisors_in_one_process_do_not_share_a_registry() -> None:
     b = SupervisorMetrics(CollectorRegistry(), "b")
     a.on_record({"step": 7})
     assert b.registry.get_sample_value("orchestrator_training_step", {"job": "b"}) == 0
+
+
+def test_figures_appear_when_known_and_failed_saves_count_once(
+        metrics: SupervisorMetrics) -> None:
+    def val(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"job": "demo", **labels})
+
+    metrics.on_event({"kind": "job_created", "ts": 10.0, "steps": 600})
+    metrics.set_thresholds(20.0)
+    assert val("orchestrator_training_steps_target") == 600
+    assert val("orchestrator_stability_growth_ratio_threshold") == 20.0
+    assert val("orchestrator_loss") is None and val("orchestrator_learning_rate") is None
+    metrics.on_record({"step": 1, "loss": 3.25, "lr": 1e-4, "grad_norm": 2.0, "ts": 11.0})
+    assert (val("orchestrator_loss"), val("orchestrator_learning_rate"),
+            val("orchestrator_grad_norm")) == (3.25, 1e-4, 2.0)
+    assert val("orchestrator_param_norm") is None  # not in that record: still not known
+    assert val("orchestrator_last_checkpoint_timestamp_seconds") is None
+    # Every rank of a save reports the same failure: one failed save.
+    for rank in (0, 1, 0):
+        metrics.on_event({"kind": "checkpoint_failed", "generation": 1, "rank": rank,
+                          "step": 50, "ts": 12.0})
+    metrics.on_event({"kind": "checkpoint_failed", "generation": 1, "step": 60, "ts": 13.0})
+    metrics.on_event({"kind": "checkpoint_upload_failed", "generation": 1, "step": 60,
+                      "ts": 14.0})
+    assert val("orchestrator_checkpoint_failures_total", stage="save") == 2
+    assert val("orchestrator_checkpoint_failures_total", stage="upload") == 1
+    # A script of the user's own has no step total: no target is exported for it.
+    other = SupervisorMetrics(CollectorRegistry(), "demo")
+    other.on_event({"kind": "job_created", "ts": 10.0, "steps": 0})
+    other.set_thresholds(None)
+    assert other.registry.get_sample_value("orchestrator_training_steps_target",
+                                           {"job": "demo"}) is None

@@ -90,11 +90,13 @@ def test_progress_figures_from_journal_and_step_records(tmp_path: Path) -> None:
     assert "step 20/100 (20%)" in line and "loss 2.8000" in line and "2.0k tok/s" in line
     assert "ETA 40s" in line and "ckpt 10 (12s ago)" in line
     # A restart goes back to step 11: the rate is measured afresh, the step follows.
+    # The old generation's rate is not the new one's: none until two records of its own.
     append(journal, json.dumps({"kind": "generation_launched", "generation": 2,
-                                "resume_step": 10, "ts": 40.0}) + "\n")
+                                "after_cause": "worker_exit", "resume_step": 10,
+                                "ts": 40.0}) + "\n")
     append(steps, json.dumps({"step": 11, "ts": 50.0, "tokens": 11000, "loss": 2.9}) + "\n")
     follower.poll()
-    assert (p.step, p.generation, p.restarts, p.steps_per_s) == (11, 2, 1, 2.0)
+    assert (p.step, p.generation, p.restarts, p.steps_per_s) == (11, 2, 1, None)
     assert "gen 2" in progress_line(p, now=50.0)
 
 

@@ -82,7 +82,8 @@ def test_a_fast_stepping_rank_that_stops_is_found_within_3_steps_plus_2_s() -> N
     assert found is not None and found <= 3 * 0.23 + 2.0
     assert found >= training.value()  # never before the timeout: no false alarm
     # The same job without the calibrated floor waits out the fixed 30 s floor.
-    fixed = TimeoutsConfig(training_floor_s=30, training_multiplier=3)
+    fixed = TimeoutsConfig(training_floor_s=30, training_multiplier=3,
+                           training_floor_calibrated_s=None)
     clock2 = FakeClock()
     gen2, training2 = _gen(clock2), TrainingTimeout(fixed, None)
     for _ in range(30):

@@ -67,7 +67,7 @@ def test_a_beat_without_pid_or_generation_keeps_the_earlier_ones_and_records_wai
     beat = hub.beats[3]
     assert (beat.pid, beat.generation, beat.step) == (1234, 2, 8)
     assert beat.records == []  # relayed from ``records``, once, not from the kept beat
-    assert hub.take_records() == (2, [{"step": 7, "loss": 2.5}, {"step": 8, "loss": 2.4}])
+    assert hub.take_records(1000) == (2, [{"step": 7, "loss": 2.5}, {"step": 8, "loss": 2.4}])
     assert hub.handle({**GOOD, "pid": 99, "generation": 3, "records": []}) == 3
     assert (hub.beats[3].pid, hub.beats[3].generation) == (99, 3)
 

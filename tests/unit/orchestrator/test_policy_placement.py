@@ -29,7 +29,9 @@ def test_backoff_grows_exponentially_and_is_capped() -> None:
 
 
 def _view(n_failures: int, restarts: int, newest: list[int | None]) -> JobView:
-    events = [{"kind": "generation_launched", "generation": g + 1} for g in range(restarts + 1)]
+    # As the supervisor journals them: a restart carries the cause of the failure before it.
+    events = [{"kind": "generation_launched", "generation": g + 1,
+               "after_cause": "worker_exit" if g else None} for g in range(restarts + 1)]
     events += [{"kind": "failure", "cause": "worker_exit", "newest_checkpoint_step": s}
                for s in newest[:n_failures]]
     return JobView.from_events(events)

@@ -203,9 +203,11 @@ def test_a_health_result_must_be_a_check_result() -> None:
 
 def test_an_agent_drops_a_bad_step_record_not_the_beat() -> None:
     good = {"step": 3, "ts": 1.7e9, "loss": float("nan"), "note": "ok"}
-    kept, dropped = keep_valid_records([good, {"step": "4"}, {"step": 5, "hist": [1, 2]},
-                                        {"step": 6, "s": "x" * 300}])
-    assert kept == [good] and dropped == 3
+    kept, dropped = keep_valid_records([good, {"step": "4"}, {"step": 5, "tokens": "12"},
+                                        {"step": 6, "loss": 1.0, "s": "x" * 300}])
+    # A record whose own fields do not fit goes; a script's metric that does not fit is
+    # left out of a record that is kept.
+    assert kept == [good, {"step": 6, "loss": 1.0}] and dropped == 2
     Heartbeat(node_id="local-0", records=kept)
 
 

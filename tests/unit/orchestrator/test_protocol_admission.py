@@ -114,8 +114,11 @@ def test_exits_only_for_the_nodes_own_ranks() -> None:
     worker = {"type": "worker", "generation": 5, "rank": 0, "name": "checkpoint_committed",
               "data": {"step": 10}, "ts": 1.0}
     assert check_events("local-1", _events("local-1", worker), RUNNING, LIMITS) is not None
+    # A checkpoint commit is rank 0's to report, even from its own rank 2.
     worker["rank"] = 2
-    assert check_events("local-1", _events("local-1", worker), RUNNING, LIMITS) is None
+    assert check_events("local-1", _events("local-1", worker), RUNNING, LIMITS) is not None
+    note = {**worker, "name": "eval_done", "data": {"acc": 0.5}}
+    assert check_events("local-1", _events("local-1", note), RUNNING, LIMITS) is None
     stopped = {"type": "ranks_stopped", "generation": 5, "ts": 1.0}
     assert check_events("local-1", _events("local-1", stopped), RUNNING, LIMITS) is None
     assert check_events("local-1", _events("local-0", stopped), RUNNING, LIMITS) is not None

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
+from orchestrator.pace import StepPace
 from orchestrator.worker.sdk import Worker, WorkerContext
 
 
@@ -19,9 +20,15 @@ class Clock:
         return self.t
 
 
-def test_checkpoint_time_is_not_step_time() -> None:
+def _measuring_from_the_start(w: Worker, monkeypatch: pytest.MonkeyPatch) -> Worker:
+    """``w`` measuring every interval (no warm-up), so a test sees each one."""
+    monkeypatch.setattr(w, "_pace", StepPace(warmup=0))
+    return w
+
+
+def test_checkpoint_time_is_not_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
-    w = Worker(env={"RANK": "0"}, clock=clock)
+    w = _measuring_from_the_start(Worker(env={"RANK": "0"}, clock=clock), monkeypatch)
     w.step_done(1)
     clock.t = 1.0
     w.step_done(2)
@@ -29,14 +36,15 @@ def test_checkpoint_time_is_not_step_time() -> None:
         clock.t = 21.0  # a 20 s blocking save
     clock.t = 22.0
     w.step_done(3)
-    assert list(w._intervals) == [1.0, 1.0]
+    assert w._pace.intervals() == [1.0, 1.0]
 
 
-def test_steps_disturbed_by_background_work_run_in_loading_and_do_not_calibrate() -> None:
+def test_steps_disturbed_by_background_work_run_in_loading_and_do_not_calibrate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Page-locking buffers beside training (a restarted generation's staging) slowed a
     step to seconds, and that step set the calibrated hang timeout (issue 14)."""
     clock = Clock()
-    w = Worker(env={"RANK": "0"}, clock=clock)
+    w = _measuring_from_the_start(Worker(env={"RANK": "0"}, clock=clock), monkeypatch)
     busy = [True]
     w.step_done(1)
     clock.t = 0.2
@@ -53,7 +61,7 @@ def test_steps_disturbed_by_background_work_run_in_loading_and_do_not_calibrate(
     w.step_done(50)  # straddles the end of the work: not measured either
     clock.t = 5.2
     w.step_done(52)
-    assert list(w._intervals) == pytest.approx([0.2, 0.2])
+    assert w._pace.intervals() == pytest.approx([0.2, 0.2])
     assert w._phase == "training"
     with w.phase("checkpointing"):  # an explicit phase is not undone by the beat thread
         w._beat()
@@ -100,7 +108,7 @@ def test_beats_and_events_reach_the_agent_socket() -> None:
     # close() sent the last beat: past its last step, the rank is finishing, not training.
     assert beat.step == 2 and beat.generation == 2
     assert beat.phase == "finishing" and beat.finished
-    generation, records = hub.take_records()
+    generation, records = hub.take_records(1000)
     assert generation == 2 and [r["step"] for r in records] == [1, 2]
     assert records[0]["loss"] == 2.5
     assert events and events[0]["name"] == "checkpoint_committed"
