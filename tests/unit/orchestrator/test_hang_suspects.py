@@ -65,6 +65,10 @@ def test_a_rank_waiting_for_a_peer_that_is_loading_is_not_a_hang() -> None:
     gen = _gen(
         RankProgress(0, step=121, phase="training", progress_seen=100.0, beat_received=104.9),
         RankProgress(1, step=121, phase="loading", progress_seen=100.1, beat_received=104.9))
+    for rp in list(gen.ranks.values()):  # as the tracker files them by phase
+        phase, seen = rp.phase, rp.progress_seen
+        rp.phase = None
+        gen.progressed(rp, phase, seen)
     assert find_hangs(gen, CFG, TrainingTimeout(CFG, None), 105.0) == []
     # The busy peer stops beating: the wait is a hang again, and the silent peer is named.
     gen.ranks[1].beat_received = 101.0
