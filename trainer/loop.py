@@ -209,9 +209,9 @@ def _one_step(p: Parts, first: bool) -> bool:
                     step, p.progress.tokens, p.checkpoint_state, keep=agreed.memory_common)
         # The books count both as the save's blocking time.
         rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
-        if p.dctx.is_main and p.memory.saves == 1:  # once a generation: what it holds
-            p.worker.event("memory_tier", **p.memory.report())
     p.checkpointer.poll()
+    if p.memory is not None and p.dctx.is_main and p.memory.report_due():  # what it holds
+        p.worker.event("memory_tier", **p.memory.report())
     if p.memory is not None and agreed.memory_common is not None:
         # The newest step every rank can restore from memory: the supervisor's measure of
         # progress between failures when recoveries roll back to the memory tier.

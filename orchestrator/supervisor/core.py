@@ -377,6 +377,9 @@ class Supervisor:
             recovery.Path(recovery.RESTART, "the supervisor restarted while stopping")
         if not path.in_job:
             await self.parts.stop(generation)
+            # A node that died with its ranks shows as lost only once the stop has waited
+            # for its agent's confirmation.
+            outcome = self._explain_by_lost_node(outcome)
         failure = self.intake.root_cause(generation, outcome.cause, outcome.detail)
         failure.update(recovery_path=path.kind, recovery_reason=path.reason[:4096])
         self.record(ev.Failure(**failure), durable=True)

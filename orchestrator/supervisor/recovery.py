@@ -102,6 +102,11 @@ def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any
         if node is None or node.state is not NodeState.ACTIVE:
             state = node.state.value if node is not None else "gone"
             return restart(f"node {node_id} of the generation is {state}")
+        # An agent that died with its ranks is not lost yet when its ranks' peers report;
+        # its silence already says no replacement will start there.
+        if nodes.judged_silence(node) > max(3 * cfg.timeouts.heartbeat_interval_s, 1.0):
+            return restart(f"node {node_id} of the generation is "
+                           f"{nodes.silence_reason(node)}")
     return Path(IN_JOB, f"rank(s) {replace} replaced in place; the other "
                         f"{world - len(replace)} roll back in their processes", replace)
 

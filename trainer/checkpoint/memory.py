@@ -166,6 +166,7 @@ class MemoryTier:
         self.last_copy_s = 0.0
         self._prepared = False
         self.saves = 0
+        self._reported = False
         self.disabled_reason: str | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
         self._pending: concurrent.futures.Future | None = None
@@ -340,6 +341,14 @@ class MemoryTier:
         if pending.exception() is not None:
             self.log(f"memory tier: the save in flight ended with the recovery: "
                      f"{type(pending.exception()).__name__}")
+        return True
+
+    def report_due(self) -> bool:
+        """True once: when a save has staged its bytes (a save from the durable staging
+        stages in the commit thread, after the step that asked for it)."""
+        if self._reported or not self.last_bytes:
+            return False
+        self._reported = True
         return True
 
     def report(self) -> dict[str, Any]:

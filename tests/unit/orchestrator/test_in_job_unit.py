@@ -166,6 +166,12 @@ def test_in_job_is_taken_only_when_every_condition_holds(tmp_path: Path) -> None
     w.beat(0, False)  # a survivor that cannot rejoin (a script without the SDK's path)
     assert "rank(s) [0] cannot rejoin in place" in w.path().reason
     w.beat(0, True)
+    # An agent that died with its ranks: silent, not yet judged lost.
+    w.clock.advance(max(3 * w.cfg.timeouts.heartbeat_interval_s, 1.0) + 0.5)
+    w.nodes.heartbeat("n1", 1, None, [])
+    assert "node n0 of the generation is silent for" in w.path().reason
+    w.nodes.heartbeat("n0", 1, None, [])
+    assert w.path().in_job
     w.nodes.move(w.nodes.nodes["n0"], NodeState.LOST, reason="silent")
     assert "node n0 of the generation is lost" in w.path().reason
 
