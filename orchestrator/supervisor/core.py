@@ -406,7 +406,8 @@ class Supervisor:
     def _recovery_path(self, generation: int, outcome: Outcome) -> recovery.Path:
         """In place, or every rank restarted (``supervisor.recovery``); a node that would
         be blamed for one failure too many is replaced by a spare, which a restart does."""
-        replace = recovery.failed_ranks(outcome.cause, outcome.detail, self.intake.exits)
+        replace = recovery.failed_ranks(outcome.cause, outcome.detail, self.intake.exits,
+                                         self.cfg.timeouts.heartbeat_interval_s)
         blamed = self._blame_due(outcome.detail.get("node_id"))
         if blamed:
             return recovery.Path(recovery.RESTART, blamed)

@@ -51,15 +51,27 @@ class Path:
         return self.kind == IN_JOB
 
 
-def failed_ranks(cause: Cause, detail: dict[str, Any], exits: dict[int, dict[str, Any]]
-                 ) -> list[int]:
+def failed_ranks(cause: Cause, detail: dict[str, Any], exits: dict[int, dict[str, Any]],
+                 beat_s: float = 0.5) -> list[int]:
     """The ranks a recovery must replace: those that exited with a failure, or, for a hang,
     those that stopped beating (a blocked peer that still beats is a survivor)."""
     if cause is Cause.WORKER_EXIT:
         return sorted(r for r, e in exits.items() if e.get("exit_code") != 0 or e.get("signal"))
     if cause is Cause.HANG:
-        return sorted({s["rank"] for s in detail.get("suspects") or [] if s.get("silent")})
+        suspects = detail.get("suspects") or []
+        silent = sorted({s["rank"] for s in suspects if s.get("silent")})
+        return silent or _stopped_beating(suspects, beat_s)
     return []
+
+
+def _stopped_beating(suspects: list[dict[str, Any]], beat_s: float) -> list[int]:
+    """With a short training timeout the hang is judged before a stopped rank's silence
+    reaches the silent threshold: the ranks that missed two beats while a peer's beats go
+    on (that peer is blocked in a collective with them, its host is not late)."""
+    ages = [(s["rank"], s.get("beat_age_s")) for s in suspects]
+    fresh = [r for r, a in ages if a is not None and a <= 1.5 * beat_s]
+    stale = sorted({r for r, a in ages if a is not None and a > 2 * beat_s})
+    return stale if fresh and stale else []
 
 
 def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any],

@@ -193,6 +193,18 @@ def test_the_ranks_to_replace_are_the_failed_or_silent_ones() -> None:
     assert recovery.failed_ranks(Cause.WORKER_EXIT, {}, exits) == [1]
     hang = {"suspects": [{"rank": 3, "silent": True}, {"rank": 0, "silent": False}]}
     assert recovery.failed_ranks(Cause.HANG, hang, {}) == [3]
+    # Judged before the stopped rank's silence reached the threshold: its beats stopped,
+    # its blocked peer's go on.
+    early = {"suspects": [{"rank": 1, "silent": False, "beat_age_s": 1.2},
+                          {"rank": 0, "silent": False, "beat_age_s": 0.3}]}
+    assert recovery.failed_ranks(Cause.HANG, early, {}, beat_s=0.5) == [1]
+    # Every rank late alike (a late host, not a stopped rank): nobody is named.
+    late = {"suspects": [{"rank": 1, "silent": False, "beat_age_s": 1.2},
+                         {"rank": 0, "silent": False, "beat_age_s": 1.1}]}
+    assert recovery.failed_ranks(Cause.HANG, late, {}, beat_s=0.5) == []
+    fresh = {"suspects": [{"rank": 1, "silent": False, "beat_age_s": 0.4},
+                          {"rank": 0, "silent": False, "beat_age_s": None}]}
+    assert recovery.failed_ranks(Cause.HANG, fresh, {}, beat_s=0.5) == []
     assert recovery.failed_ranks(Cause.NODE_LOST, hang, exits) == []
 
 
