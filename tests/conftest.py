@@ -16,9 +16,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procs import TAG_VAR, kill_tagged
 
 
+# Workers for a whole-suite run (pytest-xdist). Most integration tests wait on their jobs'
+# subprocesses, so more workers than the CI machine's 2 cores pay; more than 4 made the
+# timing-bound tests (a hang found within N s) slower than their bounds allow.
+WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Run in ``WORKERS`` processes unless told otherwise: ``-n N`` (``-n0``: in this
+    process) and ``-p no:xdist`` win, and so do ``--pdb``, ``--collect-only`` and named tests
+    (``file.py::test``: a developer's single test starts no workers). Parallel runs use
+    ``--dist loadgroup``, which keeps ``xdist_group`` tests on one worker (see
+    ``_group_shared_setups``)."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    opt = config.option
+    if opt.numprocesses is None and not (opt.usepdb or opt.collectonly
+                                         or any("::" in a for a in config.args)):
+        opt.numprocesses = int(os.environ.get("PYTEST_WORKERS", WORKERS))
+    if opt.numprocesses and opt.dist == "no":
+        opt.dist = "loadgroup"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and config.option.dist == "no":
+        # A worker re-reads the command line, not the choice pytest_cmdline_main made in
+        # the controller: the default parallel run is a loadgroup one (xdist reads this
+        # option when it names the worker's tests with their group).
+        config.option.loadgroup = True
     # Processes started by session- and module-scoped fixtures carry this session's tag and
     # are killed when the session ends; each test's own processes carry the test's tag.
+    # Under xdist every worker is a session of its own, with its own tag: a worker kills
+    # only what its tests started.
     config.stash[_SESSION_TAG] = os.environ[TAG_VAR] = f"s-{uuid.uuid4().hex[:12]}"
 
 
@@ -67,7 +98,49 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "kept out of the default run for CI's time budget)")
 
 
+# Fixtures a group of tests shares (a clean training run, a server): built once only when
+# those tests run on one worker.
+_SHARED_SCOPES = ("package", "module", "class")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _group_shared_setups(items)
+    _skip_unrunnable(config, items)
+
+
+def _group_shared_setups(items: list[pytest.Item]) -> None:
+    """Tests that use a module- or class-scoped fixture run on one worker, in the group of
+    their module, so the fixture (often a whole training run) is built once, as in a serial
+    run. Tests with an ``xdist_group`` of their own (a machine-wide resource) keep it; all
+    others are spread one by one."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = any(defs and defs[-1].scope in _SHARED_SCOPES
+                     for defs in info.name2fixturedefs.values())
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist named each grouped test with its group
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A worker of a loadgroup run stops at once if its grouped tests lost their group: they
+    would run side by side on several workers (pytest-xdist#1386 did this silently)."""
+    config = session.config
+    if not (hasattr(config, "workerinput") and config.getoption("loadgroup", False)):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"xdist_group is ignored by this pytest and pytest-xdist "
+                                f"({len(lost)} tests, e.g. {lost[0]}): see pyproject.toml")
+
+
+def _skip_unrunnable(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``long`` run with ``--long`` only; GPU tests run only where CUDA is (the
     lent H100). Elsewhere they are skipped, with the reason."""
     if not config.getoption("--long"):

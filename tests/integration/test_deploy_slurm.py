@@ -14,7 +14,10 @@ import pytest
 from jobs import env, journal, kill_strays, status, wait_for, write_config
 from servers import slurm
 
-pytestmark = pytest.mark.slow
+# One Slurm at a time on this machine: two clusters would register the same node name (this
+# host) and share munge's and slurmd's machine-wide paths; test_launchers' Slurm test is in
+# the same xdist group.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 ROOT = Path(__file__).resolve().parents[2]
 

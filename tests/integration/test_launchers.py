@@ -43,6 +43,7 @@ def test_ssh_launcher_runs_two_nodes_and_recovers(tmp_path: Path, dataset_dir: P
         assert token not in log.read_text()
 
 
+@pytest.mark.xdist_group("slurm")  # one Slurm at a time: see test_deploy_slurm.py
 def test_slurm_launcher_runs_two_nodes_and_recovers(tmp_path: Path, dataset_dir: Path) -> None:
     with slurm(tmp_path / "slurm") as slurm_env:
         cfg = write_config(
