@@ -9,7 +9,7 @@ woke: the loop's lateness is what a heartbeat waits. The files appear in batches
 another process (as ranks dump), so the scan runs several looks. Both are alternated
 ``--repeats`` times in one run.
 
-    python bench/stack_scan.py --files 16384 --out stack-scan-cpu.json
+    python bench/supervisor/stack_scan.py --files 16384 --out stack-scan-cpu.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from orchestrator.supervisor.generation import written_since
 

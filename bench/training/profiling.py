@@ -18,8 +18,8 @@ noise. Then it profiles ``--profile-steps`` steps with the SDK's :class:`Profile
 profile`` does in a rank, and reports those steps' time against unprofiled ones, the
 profiler's start and export time, and the trace's size.
 
-    python bench/profiling.py                                    # CPU, tiny model
-    python bench/profiling.py --device cuda --preset 1b --seq 2048 --mbs 4 \\
+    python bench/training/profiling.py                                    # CPU, tiny model
+    python bench/training/profiling.py --device cuda --preset 1b --seq 2048 --mbs 4 \\
         --out profiling-h100.json                                # one GPU
 """
 
@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from common import header, write  # noqa: E402
+from bench.common import header, write  # noqa: E402
 
 
 class _NoAgent:

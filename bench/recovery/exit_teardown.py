@@ -1,12 +1,13 @@
 """How long after SIGKILL a GPU process's local socket closes, against when its parent can
-reap it (``waitpid``) - the gap the agent's early exit report saves (issue 14).
+reap it (``waitpid``) - the gap the agent's early exit report saves.
 
 A child connects to a unix socket (as the worker SDK does at start, before CUDA), allocates
 ``GB`` of GPU memory and 4 GiB of pinned host memory, then is SIGKILLed; the parent polls the
 socket and a pidfd. On an H100 the socket closed 0.12-0.16 s after the kill and the process
 was reapable 0.75-0.95 s after it (the CUDA context's release), whatever the GPU memory.
 
-    python bench/exit_teardown.py --device "NVIDIA H100 80GB HBM3" --out exit-teardown-h100.json
+    python bench/recovery/exit_teardown.py --device "NVIDIA H100 80GB HBM3" \
+        --out exit-teardown-h100.json
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import header, write
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import header, write  # noqa: E402
 
 CHILD = r'''
 import socket, sys, time, torch

@@ -6,7 +6,7 @@ to the JSON file named by ``NETFAULT_RESULTS``; this renders it as the markdown 
 
     NETFAULT_RESULTS=bench/results/netfaults-cpu.json python -m pytest --long \\
         tests/integration/test_netfaults.py tests/integration/test_netfaults_long.py
-    python bench/netfault_table.py bench/results/netfaults-cpu.json docs/reliability.md
+    python bench/recovery/netfault_table.py bench/results/netfaults-cpu.json docs/reliability.md
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""Heartbeat parsing CPU per message: the loose models before issue 11, the strict ones after,
-and msgspec for comparison (heartbeat handling is ~15% of the supervisor's CPU at 512 nodes).
+"""Heartbeat parsing CPU per message: ``json.loads`` with loose models, the strict models the
+server uses, and msgspec for comparison (heartbeat handling is ~15% of the supervisor's CPU
+at 512 nodes).
 
 Every variant parses the same bytes, an 8-rank node's heartbeat carrying rank 0's step records
 since the last beat, in one process, interleaved round by round, so the figures compare as
 ratios measured in one run. ``after`` is what the server does now: ``model_validate_json`` of
 the strict model, then the admission check of the node's ranks.
 
-    python bench/heartbeat_parse.py [--messages 20000] [--records 2]
+    python bench/supervisor/heartbeat_parse.py [--messages 20000] [--records 2]
 
 Writes ``bench/results/heartbeat-parse-cpu.json``.
 """
@@ -25,7 +26,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import header, write  # noqa: E402
 from orchestrator.protocol import Assignment, Heartbeat  # noqa: E402

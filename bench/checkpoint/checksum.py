@@ -11,7 +11,7 @@ two (an algorithm whose binding releases the GIL verifies several files at once)
 to end through ``trainer.checkpoint.layout`` on a file in the page cache. Writes one JSON
 file under bench/results/ with the device, the commit and the date.
 
-    PYTHONPATH=. python bench/checksum.py [--mib 256] [--rounds 5]
+    python bench/checkpoint/checksum.py [--mib 256] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import blake3
 import xxhash
-from common import header
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import RESULTS, header  # noqa: E402
 
 CHUNK = 8 * 2**20
 
@@ -83,7 +85,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=256, help="Buffer size per thread.")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     size = args.mib * 2**20
     data = [os.urandom(size), os.urandom(size)]

@@ -14,7 +14,7 @@ their load; CPU seconds are the cost that does not (the load average is recorded
 best of ``--rounds`` is taken. Scaling is linear in bytes: both digests stream at a fixed
 rate per byte.
 
-    PYTHONPATH=. python bench/commit.py [--gib 2] [--rounds 3]
+    python bench/checkpoint/commit.py [--gib 2] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import json
 import os
 import shutil
 import tempfile
+import sys
 import time
 from pathlib import Path
 
-from common import header
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import RESULTS, header  # noqa: E402
 
 STATE_BYTES = 13_654_085_248  # the 1.14B model's state (gpu-checkpoint-h100.json)
 
@@ -64,7 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="Where to write the state, removed after (default: /dev/shm).")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     total = int(args.gib * 2**30)
     base = Path(tempfile.mkdtemp(dir=args.dir, prefix="commit-bench-"))

@@ -1,7 +1,7 @@
 """Side by side with torchrun, same script, same machine, one run: how long a crashed rank
 takes to train again, and how long a hung (SIGSTOPped) rank takes to be found.
 
-    python bench/torchrun_parity.py            # writes bench/results/torchrun-parity-cpu.json
+    python bench/training/torchrun_parity.py   # writes bench/results/torchrun-parity-cpu.json
 
 The script is ``tests/integration/scripts/torchrun_ddp.py`` (plain DDP, no SDK, ``@record``),
 2 ranks: under `orchestrator up` as 2 simulated nodes x 1 rank with the default timeouts
@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import header, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import header, write  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "integration" / "scripts" / "torchrun_ddp.py"
 
 

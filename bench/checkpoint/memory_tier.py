@@ -11,14 +11,14 @@ counters, schedule, data position and RNG, as ``trainer.state.checkpoint_state``
 
 Each restore goes into a freshly built model and optimizer, and must give back the saved
 parameters bit for bit. The durable files are in the page cache (written just before), so
-the difference is the format's, not the disk's (issue 14: tmpfs did not help the durable
-tier either). Medians of ``--repeat`` rounds. ``load_copies_s`` is the memory load's copies
+the difference is the format's, not the disk's (a tmpfs does not help the durable tier
+either). Medians of ``--repeat`` rounds. ``load_copies_s`` is the memory load's copies
 alone; the rest of a load, in both tiers, is torch's ``get_state_dict``/``set_state_dict``
 (which materialise the optimizer's state with a zero-learning-rate step first).
 
-    python bench/memory_tier.py --preset small --out memory-tier-cpu.json
-    python bench/memory_tier.py --preset 1b --device cuda --out memory-tier-h100.json
-    python bench/memory_tier.py --preset 1b --device cuda --pin-restore --out memory-tier-h100-pinned.json
+    python bench/checkpoint/memory_tier.py --preset small --out memory-tier-cpu.json
+    python bench/checkpoint/memory_tier.py --preset 1b --device cuda --out memory-tier-h100.json
+    python bench/checkpoint/memory_tier.py --preset 1b --device cuda --pin-restore --out memory-tier-h100-pinned.json
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
-from common import header, write
+from bench.common import header, write
 
 KEY = b"bench-key-" * 4  # both tiers sign and verify with the same key
 

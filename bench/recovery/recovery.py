@@ -1,7 +1,7 @@
 """Time to recover under ``orchestrator up``, a fault-free run's clean end, and save stalls.
 
 Two jobs of the same config. The *fault-free* job must end COMPLETED with no failure in its
-journal (issue 14: a slow final commit used to end every GPU job with a false hang). The
+journal (a slow final commit must not be judged a hang). The
 *faults* job takes two injections: rank 0 SIGKILLs itself after step ``--kill-step``, then
 (in the next generation) SIGSTOPs itself after step ``--stop-step``. Each recovery is broken
 down from the journal and the new generation's ``startup`` event (the rank's own wall-clock
@@ -20,11 +20,11 @@ milestones):
 
 Hang detection latency is SIGSTOP -> STOPPING (cause hang), judged against 3 x the median
 step + 2 s. Save stalls are every ``checkpoint_committed`` event's blocking time, a
-generation's first save apart from the later ones. ``targets`` says which of issue 14's
+generation's first save apart from the later ones. ``targets`` says which of the recovery
 targets held.
 
-    python bench/recovery.py [CONFIG] [--set key=value ...] --out recovery-cpu.json
-    python bench/recovery.py --profile h200x2 --out recovery-h200x2.json   # 2 GPUs, NCCL
+    python bench/recovery/recovery.py [CONFIG] [--set key=value ...] --out recovery-cpu.json
+    python bench/recovery/recovery.py --profile h200x2 --out recovery-h200x2.json   # 2 GPUs, NCCL
 
 A profile is a config and overrides (``--set`` adds to them, later ones win); the JSON
 records every override, so a flag such as the memory tier's is one more override.
@@ -45,9 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import header, write
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import header, write  # noqa: E402
 
-# Issue 14's targets.
+# The recovery targets: SIGKILL -> next step, and a save's blocking of a step.
 TARGET_KILL_S = 3.0
 TARGET_SAVE_BLOCK_S = 0.2
 
@@ -64,7 +65,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "trainer.steps=200", "timeouts.training_floor_s=2",
         "timeouts.training_floor_calibrated_s=1", "timeouts.training_multiplier=3",
         "job.warm_start=false"]},
-    # The overrides the recovery-cpu.json before issue 14 used: for code without its keys.
+    # For an A/B against an older checkout whose config lacks the calibrated-floor keys.
     "cpu-old": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
         "trainer.steps=200", "timeouts.training_floor_s=2", "restart.backoff_initial_s=0.5",
         "job.warm_start=false"]},

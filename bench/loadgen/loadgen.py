@@ -20,7 +20,7 @@ measured:
     invariants                     healthy nodes declared LOST (must be 0), relaunches per
                                    fault (must be 1)
 
-    python bench/loadgen.py --nodes 2048 --procs 8 --runs 3 --out scale-2048x8.json
+    python bench/loadgen/loadgen.py --nodes 2048 --procs 8 --runs 3 --out scale-2048x8.json
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
 
 import loadgen_wire as wire
-from common import header, write
+from bench.common import header, write
 from loadgen_agent import Net, Stats, quiet_gc
 from loadgen_fleet import Fleet, NodeView
 from loadgen_http import Conn

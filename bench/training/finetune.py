@@ -8,7 +8,7 @@ Reported: trainable and total parameters, the median step time, and the process'
 (``ru_maxrss``) with the part that the model, gradients and optimizer add over the same process
 before building them. Ratios against full fine-tuning come from the same run.
 
-    python bench/finetune.py            # writes bench/results/finetune-cpu.json
+    python bench/training/finetune.py            # writes bench/results/finetune-cpu.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 METHODS = ("full", "lora", "qlora")
 

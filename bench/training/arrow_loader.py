@@ -8,7 +8,7 @@ one run, is what online tokenization costs against reading prepared tokens. Two 
 the byte tokenizer, and a byte-level BPE of ``--bpe-vocab`` ids trained here on the same text
 with the ``tokenizers`` library (a stand-in for a Llama tokenizer.json: nothing is downloaded).
 
-    python bench/arrow_loader.py        # writes bench/results/arrow-loader-cpu.json
+    python bench/training/arrow_loader.py        # writes bench/results/arrow-loader-cpu.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def rate(loader, batches: int) -> float:

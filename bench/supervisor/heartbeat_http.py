@@ -1,7 +1,7 @@
 """Supervisor CPU per heartbeat over HTTP: the real API server, one event loop against another.
 
-``bench/heartbeat.py`` times the parse and the fold alone (~40 us); at 2,048 nodes most of a
-heartbeat's cost is the HTTP server around them. Here the real ``ApiServer`` of a real
+``bench/supervisor/heartbeat.py`` times the parse and the fold alone (~40 us); at 2,048 nodes
+most of a heartbeat's cost is the HTTP server around them. Here the real ``ApiServer`` of a real
 ``Supervisor`` (N nodes x 8 ranks registered, generation 1 launched) serves on loopback in a
 child process, under each ``--loop`` in turn (``uvloop`` needs ``pip install uvloop``),
 alternating ``--repeats`` times so a noisy neighbour hits both alike. A client with one keep-alive connection per node sends heartbeats
@@ -10,12 +10,12 @@ in rounds (each node's own credential, steps advancing) and reads the server's C
 latency, which on a shared 2-core VM is mostly the client's own.
 
 Sequential requests, one at a time: this measures the cost of one request, not a server
-under load. uvloop used 4-9 % less CPU here (3 runs of 3-4 pairs), yet with the supervisor
-on uvloop under the 2,048 x 8 load generator heartbeat p99 was 7x worse
-(``scale-2048x8-uvloop.json`` against ``scale-2048x8-asyncio-ab.json``), so the supervisor
-stays on asyncio's loop.
+under load: uvloop uses 4-9 % less CPU here, yet under the 2,048 x 8 load generator
+(``bench/loadgen``) a supervisor on uvloop had a 7x worse heartbeat p99, which is why the
+supervisor runs on asyncio's loop.
 
-    python bench/heartbeat_http.py --loop asyncio --loop uvloop --out heartbeat-http-cpu.json
+    python bench/supervisor/heartbeat_http.py --loop asyncio --loop uvloop \
+        --out heartbeat-http-cpu.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PPN = 8
 _TICK = os.sysconf("SC_CLK_TCK")

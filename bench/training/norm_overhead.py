@@ -17,7 +17,7 @@ the figure to trust when the step-time differences are inside the noise. Times a
 this process (``time.process_time``, one torch thread), which other processes on a shared
 machine disturb far less than wall time; wall-clock medians are recorded beside them.
 
-    python bench/norm_overhead.py [--preset tiny --preset small] [--steps 40] [--out FILE]
+    python bench/training/norm_overhead.py [--preset tiny --preset small] [--steps 40] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from stability.norms import clip_grad_norm_, param_norm  # noqa: E402

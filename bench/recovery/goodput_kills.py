@@ -1,18 +1,18 @@
 """Goodput of a run with two kills, with the memory tier and without, side by side.
 
-Issue 14 asks for "the goodput of a 10-minute run with two kills, side by side with and
-without" the memory tier. Each *variant* is one ``orchestrator up`` job of the same config
+The question it answers: the goodput of a 10-minute run with two kills, with and without the
+memory tier. Each *variant* is one ``orchestrator up`` job of the same config
 and steps, rank 0 SIGKILLed after ``--kills`` steps (chosen off every checkpoint interval,
 so each restart loses steps: the tier's point is that it can checkpoint more often). With
 ``--concurrent`` the variants run at the same time, each on its own GPUs
-(``--gpus 0;1``: CUDA_VISIBLE_DEVICES per variant), so one call of a lent machine holds
+(``--gpus 0;1``: CUDA_VISIBLE_DEVICES per variant), so one call of a borrowed GPU machine holds
 both; each job has its own name, data path and memory root, so nothing is shared but the
 compile cache. The report has each job's summary (goodput, the badput by cause, restarts)
 and each recovery's breakdown (``recovery.breakdown``).
 
-    python bench/goodput_kills.py --profile h200 --concurrent --gpus "0;1" \\
+    python bench/recovery/goodput_kills.py --profile h200 --concurrent --gpus "0;1" \\
         --device "NVIDIA H200 x2" --out goodput-kills-h200.json
-    python bench/goodput_kills.py --profile cpu --out goodput-kills-cpu.json
+    python bench/recovery/goodput_kills.py --profile cpu --out goodput-kills-cpu.json
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import header, write
-from recovery import _events, _kill_run, breakdown, median_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import header, write  # noqa: E402
+from bench.recovery.recovery import _events, _kill_run, breakdown, median_step  # noqa: E402
 
 # ``memory``: the tier on (a copy in host memory every 50 steps); ``disk``: off.
 VARIANTS: dict[str, list[str]] = {

@@ -3,7 +3,7 @@
 Measured in-process, without HTTP, on the code of one or more trees in one run, so before and
 after compare as a ratio on the same machine at the same moment:
 
-    python bench/heartbeat.py --tree /path/to/old/checkout --tree .   # before, after
+    python bench/supervisor/heartbeat.py --tree /path/to/old/checkout --tree .   # before, after
 
 Each tree runs in its own subprocess (``PYTHONPATH=TREE``): a supervisor object over a fresh
 run dir with N nodes x 8 ranks registered and a generation begun, then R rounds of one
@@ -45,7 +45,7 @@ def measure(nodes: int, ppn: int, rounds: int) -> dict[str, Any]:
     from orchestrator.rundir import RunDir
     from orchestrator.supervisor.core import Supervisor
 
-    try:  # the server's own parse: straight from bytes, bounded depth (after issue 11)
+    try:  # the server's own parse: straight from bytes, bounded depth (a tree that has it)
         from orchestrator.supervisor import admission  # noqa: F401
 
         def parse(body: bytes) -> Any:
@@ -95,7 +95,7 @@ def main() -> None:
         return
     from common import header, write
 
-    trees = args.tree or [str(Path(__file__).resolve().parents[1])]
+    trees = args.tree or [str(Path(__file__).resolve().parents[2])]
     results = []
     for tree in trees:
         env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}

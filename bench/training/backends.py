@@ -7,7 +7,7 @@ from the job's own step records (steps.jsonl, rank 0), without the first --skip 
 shared machine spreads over all strategies. The first step's loss shows which strategies
 start from the same weights (same seed, same data).
 
-    python bench/backends.py [--steps 60] [--rounds 2] [--preset tiny] [--out FILE]
+    python bench/training/backends.py [--steps 60] [--rounds 2] [--preset tiny] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from common import header, write
+from bench.common import header, write
 
 STRATEGIES = [("ddp", {"strategy": "ddp"}), ("fsdp2", {"strategy": "fsdp2"})] + [
     (f"deepspeed-zero{z}", {"strategy": "deepspeed", "zero_stage": z}) for z in range(4)]

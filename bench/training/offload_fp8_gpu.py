@@ -2,7 +2,7 @@
 
 Every run is built by the trainer's own builders (``trainer.build.build_parts``) under a
 one-rank process group (NCCL on a GPU) and timed with ``train_step`` after a warm-up, as
-bench/gpu_train.py does. Parts (``--parts``, comma-separated):
+bench/training/gpu_train.py does. Parts (``--parts``, comma-separated):
 
 - ``fp8``: strategy fsdp2, bf16 and then ``trainer.precision.fp8: true``, both compiled, same
   data and seed: tokens/s, MFU (model FLOPs against 989 TFLOP/s dense bf16 and against a bf16
@@ -21,8 +21,8 @@ bench/gpu_train.py does. Parts (``--parts``, comma-separated):
 
 The data is the byte-level stdlib dataset, prepared first when it is missing. On a GPU:
 
-    python bench/offload_fp8_gpu.py --parts fp8 --out offload-fp8-gpu-h100-fp8.json
-    python bench/offload_fp8_gpu.py --parts deepspeed --out offload-deepspeed-gpu-h100.json
+    python bench/training/offload_fp8_gpu.py --parts fp8 --out offload-fp8-gpu-h100-fp8.json
+    python bench/training/offload_fp8_gpu.py --parts deepspeed --out offload-deepspeed-gpu-h100.json
 
 ``--device cpu --preset tiny --seq 64`` is a smoke run of the same code on a CPU.
 """
@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
-from common import header, write
+from bench.common import header, write
 from gpu_train import H100_BF16_DENSE, _NoWorker, matmul_peak
 
 _DCTX: Any = None

@@ -6,11 +6,12 @@ Reports the blocking time of each save, the total time to a committed checkpoint
 written, and the step time of steps that overlap a background write against steps that do
 not (same run). With ``--stage-ahead on`` (the trainer's default) the staging buffers are
 allocated in the background after the first step, as the training loop does, so the first
-save's blocking time compares with the later ones' (issue 14); ``off`` is the old way.
+save's blocking time compares with the later ones'; ``off`` allocates them at the first
+save instead.
 
-    python bench/gpu_checkpoint.py --out bench/results/gpu-checkpoint-h100.json
-    python bench/gpu_checkpoint.py --device cpu --preset 125m --seq 256 --mbs 2 \
-        --stage-ahead off --out save-blocking-cpu-before.json
+    python bench/checkpoint/gpu_checkpoint.py --out bench/results/gpu-checkpoint-h100.json
+    python bench/checkpoint/gpu_checkpoint.py --device cpu --preset 125m --seq 256 --mbs 2 \
+        --stage-ahead off --out save-blocking-cpu-off.json
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-import gpu_train  # noqa: E402
-from common import header, write  # noqa: E402
+from bench.training import gpu_train  # noqa: E402
+from bench.common import header, write  # noqa: E402
 
 
 class RecordingWorker:

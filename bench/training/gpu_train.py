@@ -7,7 +7,7 @@ measured in the same run. Also measures the monitoring overhead: the same steps 
 worker SDK's heartbeat thread and the stability norms (param norm every step) on, against
 both off, interleaved in blocks so drift hits both equally.
 
-    python bench/gpu_train.py --out bench/results/gpu-train-h100.json
+    python bench/training/gpu_train.py --out bench/results/gpu-train-h100.json
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from common import header, write  # noqa: E402
+from bench.common import header, write  # noqa: E402
 
 H100_BF16_DENSE = 989e12
 DEVICE = "cuda"

@@ -1,6 +1,6 @@
 """Goodput of the two recovery paths, computed from a measured paths benchmark.
 
-    python bench/goodput_table.py bench/results/recovery-gpu2-paths-h100.json
+    python bench/recovery/goodput_table.py bench/results/recovery-gpu2-paths-h100.json
 
 From the benchmark's one call (both paths on the same cards): the median time from a
 SIGKILL to the next step done (MTTR), the steps a recovery redoes (half the memory tier's

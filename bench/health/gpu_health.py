@@ -6,7 +6,7 @@ cache and nccom-test) through the runner the agents use (a child process, each c
 its timeout), with the accelerator detected, and keeps each result with its duration, the
 raw NVML snapshot (the format of ``tests/unit/health/fixtures/nvml``) and the device.
 
-    python bench/gpu_health.py                  # writes bench/results/health-<device>.json
+    python bench/health/gpu_health.py                  # writes bench/results/health-<device>.json
 
 On a machine without an accelerator it says so: every check reports "no accelerator found"
 with the reasons (no NVML, no neuron-ls, torch.cuda unavailable) and the file is
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import header, write
+from bench.common import header, write
 
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import node_checks
