@@ -1,4 +1,4 @@
-"""What every benchmark report carries: device, software, commit and date."""
+"""What every benchmark report carries: the script, device, software, commit and date."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parents[1]
 
 
 def commit() -> str:
     """The commit measured: git's, or ORCH_BENCH_COMMIT on a machine given a copy of the
-    tree without its .git (the lent GPU)."""
+    tree without its .git (a GPU machine the tree is copied to)."""
     if os.environ.get("ORCH_BENCH_COMMIT"):
         return os.environ["ORCH_BENCH_COMMIT"]
     try:
@@ -38,8 +40,18 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def script() -> str:
+    """The benchmark that was run, as a path in the repository (``bench/<area>/<name>.py``)."""
+    path = Path(sys.argv[0]).resolve()
+    try:
+        return path.relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.name
+
+
 def header(device: str | None = None) -> dict[str, Any]:
     info: dict[str, Any] = {
+        "script": script(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit(),
         "device": device or f"cpu: {cpu_name()} x{os.cpu_count()}",

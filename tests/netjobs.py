@@ -5,7 +5,7 @@ Each fault test measures what the docs' results table reports (``docs/reliabilit
 when the fault was injected, how long until the supervisor noticed it, how long until
 training stepped again, what was lost, and whether the end state is bit-identical to an
 uninterrupted run. ``record_result`` appends the row to the JSON file named by
-``NETFAULT_RESULTS`` (``bench/netfault_table.py`` turns it into the table) and prints it.
+``NETFAULT_RESULTS`` (``bench/recovery/netfault_table.py`` turns it into the table) and prints it.
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ class GenerationParts:
         while clock.monotonic() < deadline:
             # Off the loop: at 2,048 x 8 a look is a listing of 16k names and a stat of each
             # one not yet seen written; on the loop that held it up to 35 ms at a time, 0.19 s
-            # a hang (bench/stack_scan.py), and the beats waited behind it.
+            # a hang (bench/supervisor/stack_scan.py), and the beats waited behind it.
             done |= await asyncio.to_thread(written_since, stacks, frozenset(done))
             if len(done) >= len(wanted) and done.issuperset(wanted):
                 break

@@ -1,4 +1,4 @@
-"""One shard of the load generator (``bench/loadgen_fleet.py``) as the generator drives it:
+"""One shard of the load generator (``bench/loadgen/loadgen_fleet.py``) as the generator drives it:
 a real process, commands on its stdin, one reply line for each, its stats at ``finish``.
 
 No supervisor answers here (its URL is a closed port): the simulated agents retry their
@@ -38,7 +38,7 @@ class Shard:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.log = open(tmp / "shard.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "loadgen_fleet.py"), "--shard", "0",
+            [sys.executable, str(ROOT / "bench" / "loadgen" / "loadgen_fleet.py"), "--shard", "0",
              "--of", str(SHARDS), "--url", f"http://127.0.0.1:{closed_port()}",
              "--nodes", str(NODES), "--procs", "2", "--step-s", "0.5",
              "--stacks", str(tmp / "stacks"), "--beat-timeout-s", "5"],

@@ -1,6 +1,6 @@
 """The load generator at 512 nodes x 8 ranks against the real supervisor, briefly.
 
-``bench/loadgen.py`` runs ``orchestrator up`` (``launcher.kind: kubernetes``) and 513
+``bench/loadgen/loadgen.py`` runs ``orchestrator up`` (``launcher.kind: kubernetes``) and 513
 simulated agents speaking the real HTTP protocol, injects a rank crash, a hang and a node
 loss in turn, then stops the job as an operator. This test holds the invariants, never the
 timings (those are the benchmark's, in ``bench/results/scale-*.json``): every fault is
@@ -43,7 +43,8 @@ def run_loadgen(tmp: Path, *extra: str, timeout: float = 540) -> dict[str, Any]:
     out = tmp / "report.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "loadgen.py"), *ARGS, *extra,
+    loadgen = ROOT / "bench" / "loadgen" / "loadgen.py"
+    proc = subprocess.Popen([sys.executable, str(loadgen), *ARGS, *extra,
                              "--workdir", str(tmp), "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)

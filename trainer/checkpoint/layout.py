@@ -11,7 +11,8 @@ without a manifest (a save or an upload killed midway) is never loaded.
 vouches for the bytes. On one core of the 2-core CI machine it hashes 4.4 GB/s against 1.7
 for SHA-256 (SHA-NI) and 19.2 for XXH3-64, the non-cryptographic checksum of format 1; its
 own threads take it to 8.4 GB/s on two cores and scale with a GPU host's, where SHA-256
-stays at one core per file (bench/checksum.py, bench/results/checksum-20261122T1901.json).
+stays at one core per file (bench/checkpoint/checksum.py,
+bench/results/checksum-20261122T1901.json).
 Manifests of format 1 (XXH3-64 or CRC32, unsigned) still verify, for an operator who
 trusts them (``signing.Trust.trust_unsigned``).
 
