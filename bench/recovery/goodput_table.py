@@ -75,7 +75,11 @@ def main() -> int:
         print(f"| {path} | {row['mttr_s']} s | {row['save_blocking_per_step_s'] * 1000:.1f} ms "
               f"| {cells} |")
     out = args.report.with_name(args.report.stem + "-goodput.json")
-    out.write_text(json.dumps({"source": args.report.name, **t}, indent=2) + "\n")
+    record = {"script": "bench/recovery/goodput_table.py", "device": report["device"],
+              "commit": report["commit"],
+              "commit_note": f"derived from {args.report.name} (its commit and device)",
+              "source": args.report.name, **t}
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 
