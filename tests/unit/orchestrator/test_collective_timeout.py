@@ -39,7 +39,7 @@ def test_above_every_timeout_that_judges_the_ranks(init: float, loading: float,
     cfg = TimeoutsConfig(phases=PhaseTimeouts(
         init=init, loading=loading, compiling=compiling, checkpointing=checkpointing,
         evaluating=evaluating, finishing=finishing), node_lost_s=node_lost,
-        training_floor_s=floor)
+        training_floor_s=floor, training_floor_calibrated_s=min(floor, 1.0))
     training = TrainingTimeout(cfg, interval)
     script = collective_timeout_s(cfg, training, own_script=True)
     ours = collective_timeout_s(cfg, training)
