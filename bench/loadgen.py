@@ -53,7 +53,7 @@ from loadgen_phases import phase_report
 
 from orchestrator import events as ev
 from orchestrator.journal import read_journal
-from orchestrator.state import NodeState
+from orchestrator.contracts.state import NodeState
 
 FAULTS = ("crash", "hang", "node_lost")
 

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import events as ev
-from orchestrator.events import Envelope, as_envelope
-from orchestrator.state import Cause, JobState
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.events import Envelope, as_envelope
+from orchestrator.contracts.state import Cause, JobState
 
 
 def _newest(*steps: Any) -> int | None:

@@ -169,7 +169,7 @@ class ConsoleView:
 
 
 def _goodput(root: Path) -> float | None:
-    from orchestrator.rundir import RunDir
+    from orchestrator.contracts.rundir import RunDir
     from orchestrator.status import load_books
 
     try:

@@ -24,8 +24,8 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import events as ev
-from orchestrator.envcontract import JOB
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.env import JOB
 from orchestrator.health import catalog
 from orchestrator.health.base import (
     CheckResult,
@@ -39,8 +39,8 @@ from orchestrator.extras import needs
 from orchestrator.health.context import SharedFsProbe, build_node_context
 from orchestrator.health.host import is_local, local_path
 from orchestrator.health.network import judge_network
-from orchestrator.protocol import HealthOrder, HealthReport
-from orchestrator.state import NodeState
+from orchestrator.contracts.protocol import HealthOrder, HealthReport
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.placement import _id_key
 
 if TYPE_CHECKING:

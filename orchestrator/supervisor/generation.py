@@ -15,8 +15,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator import events as ev
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import collective_timeout_s
 from orchestrator.supervisor.intake import Intake, Observation
@@ -145,7 +145,7 @@ class GenerationParts:
         # journaled); generated once at 0600 when none is given, beside a local checkpoint
         # root (the run directory by default), so every run that shares those checkpoints
         # (a requeued Slurm job's next attempt, say) shares the key; else in the run dir.
-        from orchestrator.envcontract import GenerationEnv
+        from orchestrator.contracts.env import GenerationEnv
         from trainer.checkpoint import signing
 
         root = self.ctx.checkpoint_root

@@ -9,7 +9,7 @@ The training timeout calibrates itself::
 
     timeout = max(floor, training_multiplier * pace)
 
-where the pace is what each rank's SDK measures (``orchestrator.pace``: the second-largest of
+where the pace is what each rank's SDK measures (``contracts.pace``: the second-largest of
 its last 200 step intervals past its generation's warm-up, so one slow step that does not
 recur never calibrates it), the smallest of the ranks' (they step in lockstep: a rank's wait
 for a peer's save is no step time), the largest reported over the job's last
@@ -155,7 +155,7 @@ class TrainingTimeout:
 def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTimeout,
                   warming: bool = False) -> float:
     """The timeout of ``phase``; ``warming``: a rank within its generation's first step
-    intervals (``orchestrator.pace.WARMUP_STEPS``), which its SDK does not measure, gets at
+    intervals (``contracts.pace.WARMUP_STEPS``), which its SDK does not measure, gets at
     least the start-up floor, not the tight value an earlier generation calibrated."""
     if phase == "training":
         if warming and cfg.phases.training is None:

@@ -21,9 +21,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator import events as ev
-from orchestrator.chaos import ChaosDriver
-from orchestrator.protocol import (
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.chaos import ChaosDriver
+from orchestrator.contracts.protocol import (
     Assignment,
     EventBatch,
     HealthReport,
@@ -35,7 +35,7 @@ from orchestrator.protocol import (
     RegisterResponse,
     WorkerEvent,
 )
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import Suspect, TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry

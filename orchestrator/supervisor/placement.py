@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.state import NodeState
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.nodes import NodeRecord
 
 

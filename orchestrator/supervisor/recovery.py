@@ -20,7 +20,7 @@ from typing import Any
 
 from orchestrator.config import Config
 from orchestrator.jobview import JobView
-from orchestrator.state import Cause, NodeState
+from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import GenerationProgress

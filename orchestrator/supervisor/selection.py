@@ -13,7 +13,7 @@ from collections.abc import Callable
 from orchestrator.health.base import Level
 from orchestrator.health.coordinator import HealthCoordinator
 from orchestrator.launchers import AgentSpec, Launcher
-from orchestrator.state import Cause, NodeState
+from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation import TICK_S
 from orchestrator.supervisor.intake import Intake

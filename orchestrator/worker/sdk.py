@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import chaos as chaos_
-from orchestrator import envcontract as ec
-from orchestrator.chaos import ChaosPlan
+from orchestrator.contracts import chaos as chaos_
+from orchestrator.contracts import env as ec
+from orchestrator.contracts.chaos import ChaosPlan
 from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
-from orchestrator.pace import StepPace
+from orchestrator.contracts.pace import StepPace
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
@@ -79,7 +79,7 @@ class WorkerContext:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
         """Parse this rank's environment; a malformed ``ORCH_*`` value raises
-        :class:`~orchestrator.envcontract.EnvError` naming the variable."""
+        :class:`~orchestrator.contracts.env.EnvError` naming the variable."""
         gen = ec.GenerationEnv.from_env(env)
         agent = ec.AgentEnv.from_env(env)
         return cls(
@@ -113,7 +113,7 @@ class Worker:
         self._step: int | None = None
         self._phase = "init"
         self._last_step_ts: float | None = None
-        self._pace = StepPace()  # calibrates the hang timeout (``orchestrator.pace``)
+        self._pace = StepPace()  # calibrates the hang timeout (``orchestrator.contracts.pace``)
         # Work beside training that slows its steps until it is done (``disturbed_while``).
         self._disturbances: list[Callable[[], bool]] = []
         self._disturbed_step = False  # the last step was disturbed: the next interval too
@@ -273,7 +273,7 @@ class Worker:
 
     def on_step(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(step)`` in the training thread right after each step is recorded
-        (how ``orchestrator.chaos`` lands a kill on an exact step)."""
+        (how ``orchestrator.contracts.chaos`` lands a kill on an exact step)."""
         self._on_step.append(hook)
 
     def disturbed_while(self, busy: Callable[[], bool]) -> None:

@@ -16,8 +16,8 @@ from orchestrator.health.base import Level
 from orchestrator.health.catalog import node_checks
 from orchestrator.health.coordinator import HealthCoordinator
 from orchestrator.logs import get_logger
-from orchestrator.protocol import HealthReport, RegisterRequest
-from orchestrator.state import NodeState
+from orchestrator.contracts.protocol import HealthReport, RegisterRequest
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.nodes import NodeRegistry
 
 

@@ -174,7 +174,7 @@ class RunDir:
         os.replace(tmp, path)
 
     def read_supervisor_info(self) -> dict[str, Any] | None:
-        from orchestrator import readback
+        from orchestrator.contracts import readback
 
         try:
             return readback.read_object(self.supervisor_info, readback.SMALL)
