@@ -44,6 +44,7 @@ from orchestrator.contracts.protocol import (
     WorkerEvent,
     keep_valid_records,
 )
+from orchestrator.contracts.rundir import STACKS_DIR, stack_file_name
 from orchestrator.contracts.steprecord import MAX_RECORDS_PER_BEAT
 
 # Events held while the supervisor is unreachable; beyond this the oldest are dropped.
@@ -356,8 +357,7 @@ class Agent:
         answer it, read from outside (py-spy) where it would kill or wait (a stopped rank)."""
         assert self.ranks is not None
         if sig == "SIGUSR1":
-            out = self.run_dir / "stacks" / f"gen{self.ranks.generation or 0:04d}-" \
-                                            f"rank{rank:05d}.txt"
+            out = self.run_dir / STACKS_DIR / stack_file_name(self.ranks.generation or 0, rank)
             how = await self.ranks.dump_stacks(rank, out)
             self.log.warning("stack dump order", rank=rank, how=how)
             return

@@ -33,6 +33,7 @@ from orchestrator.contracts import env as ec
 from orchestrator.contracts.chaos import ChaosPlan
 from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
 from orchestrator.contracts.pace import StepPace
+from orchestrator.contracts.rundir import STACKS_DIR, stack_file_name
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
@@ -193,9 +194,9 @@ class Worker:
         # even when the training thread is stuck inside a collective holding the GIL free).
         if not self.ctx.run_dir or not hasattr(faulthandler, "register"):
             return
-        stacks = Path(self.ctx.run_dir) / "stacks"
+        stacks = Path(self.ctx.run_dir) / STACKS_DIR
         stacks.mkdir(parents=True, exist_ok=True)
-        path = stacks / f"gen{self.ctx.generation:04d}-rank{self.ctx.rank:05d}.txt"
+        path = stacks / stack_file_name(self.ctx.generation, self.ctx.rank)
         previous, self._stack_file = self._stack_file, open(path, "a")  # noqa: SIM115
         faulthandler.register(STACK_DUMP_SIGNAL, file=self._stack_file, all_threads=True,
                               chain=False)
