@@ -130,7 +130,7 @@ def show_rank_logs(run_dir: Path | None, ranks: list[int] | None, follow: bool,
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error[/red] {exc}")
         return 2
-    from orchestrator.console import JobFollower
+    from orchestrator.cli.console import JobFollower
 
     world = load_view(run).world_size
     unknown = [r for r in ranks or [] if world and r >= world]

@@ -276,7 +276,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
         import json
 
         from orchestrator.status import load_view
-        from orchestrator.summary import build_summary
+        from orchestrator.cli.summary import build_summary
 
         print(json.dumps({"event": "summary", "run_dir": str(run.root),
                           **build_summary(load_view(run), run)}, default=str), flush=True)

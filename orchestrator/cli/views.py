@@ -18,7 +18,7 @@ from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import JobState
 from orchestrator.status import build_status, load_view
-from orchestrator.summary import build_summary
+from orchestrator.cli.summary import build_summary
 from orchestrator.textsafe import shown
 
 if TYPE_CHECKING:

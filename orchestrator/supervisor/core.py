@@ -23,7 +23,7 @@ from orchestrator.config import Config, config_hash
 from orchestrator.contracts.env import read_token
 from orchestrator.contracts.events import Envelope, Event
 from orchestrator.health.base import Level
-from orchestrator.health.coordinator import HealthCoordinator
+from orchestrator.supervisor.health_rounds import HealthCoordinator
 from orchestrator.jobview import JobView
 from orchestrator.journal import Journal, SkipReport, read_journal
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher

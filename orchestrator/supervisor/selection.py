@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 
 from orchestrator.health.base import Level
-from orchestrator.health.coordinator import HealthCoordinator
+from orchestrator.supervisor.health_rounds import HealthCoordinator
 from orchestrator.launchers import AgentSpec, Launcher
 from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.context import JobContext

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from orchestrator.contracts import events as ev
 from orchestrator.cli.ranklogs import show_logs
 from orchestrator.config import ConfigError, load_config
-from orchestrator.console import JobFollower, describe
+from orchestrator.cli.console import JobFollower, describe
 from orchestrator.jobview import JobView
 from orchestrator.journal import Journal
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import Cause, JobState
-from orchestrator.summary import build_summary
+from orchestrator.cli.summary import build_summary
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
