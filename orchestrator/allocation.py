@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.envcontract import NODE_COUNT
+from orchestrator.contracts.env import NODE_COUNT
 
 if TYPE_CHECKING:
     from orchestrator.config.schema import Config

@@ -54,8 +54,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import events as ev
-from orchestrator.events import Envelope, as_envelope
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.events import Envelope, as_envelope
 
 BADPUT_CATEGORIES = (
     "provisioning", "health_check", "startup", "checkpoint_save", "checkpoint_restore",

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import events as ev
-from orchestrator.events import Envelope, as_envelope
-from orchestrator.state import Cause, JobState
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.events import Envelope, as_envelope
+from orchestrator.contracts.rundir import is_remote
+from orchestrator.contracts.state import Cause, JobState
 
 
 def _newest(*steps: Any) -> int | None:
@@ -24,7 +25,7 @@ def _newest(*steps: Any) -> int | None:
 
 def _tier_of(path: str | None) -> str:
     """Events written before tiers existed name no tier: a URL is remote, a path local."""
-    return "remote" if path and "://" in path and not path.startswith("file://") else "local"
+    return "remote" if is_remote(path) else "local"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The events journal: an append-only, fsync'd JSONL file, the job's source of truth.
 
 Every state transition, failure, launch, checkpoint commit and node change is one typed
-event (``orchestrator.events``). The supervisor rebuilds its state from it after a restart;
+event (``contracts.events``). The supervisor rebuilds its state from it after a restart;
 ``status`` and the goodput books read it while the job runs and after it ends.
 
 Writing is a group commit: ``append`` numbers and stamps the event, hands the line to one
@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator import readback
-from orchestrator.events import Envelope, Event, parse_event, to_line_dict
-from orchestrator.readback import SkipReport
+from orchestrator.contracts import readback
+from orchestrator.contracts.events import Envelope, Event, parse_event, to_line_dict
+from orchestrator.contracts.readback import SkipReport
 
 JOURNAL_NAME = "events.jsonl"
 

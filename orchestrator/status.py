@@ -10,8 +10,8 @@ from typing import Any
 from orchestrator.books import Ledger, compute_books
 from orchestrator.jobview import JobView
 from orchestrator.journal import read_journal
-from orchestrator.rundir import RunDir
-from orchestrator.steprecord import parse_stored_line, read_steps
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.steprecord import parse_stored_line, read_steps
 
 
 def load_view(run: RunDir) -> JobView:

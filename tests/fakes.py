@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.config import Config
 from orchestrator.jobview import JobView
 from orchestrator.journal import Journal, read_journal
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.recorder import Recorder

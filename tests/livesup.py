@@ -21,7 +21,7 @@ from typing import Any
 from jobs import env, kill_strays, wait_for, write_config
 from procs import TAG_VAR
 
-from orchestrator.auth import node_credential
+from orchestrator.contracts.auth import node_credential
 
 NODES = ("n0", "n1")
 # No preflight, no hang or loss judgement while the test talks: the fake ranks never step.

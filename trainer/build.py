@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from orchestrator import chaos
-from orchestrator import envcontract as ec
+from orchestrator.contracts import chaos
+from orchestrator.contracts import env as ec
 from orchestrator.worker import Worker, WorkerContext
 from trainer import restore
 from trainer.backends import Backend, backend_for

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from orchestrator.contracts.rundir import is_remote
 from trainer.config_base import FieldError, _Section
 from trainer.config_finetune import LORA_TARGETS, FinetuneConfig, nf4_shard_problem
 from trainer.presets import PRESETS, resolve_model_args
@@ -379,8 +380,7 @@ def check_sections(trainer: TrainerConfig, checkpoint: CheckpointConfig,
                                  f"skip_step cannot be honoured with trainer.parallelism."
                                  f"strategy {strategy}: {NO_SKIP_STEP[strategy]}; use "
                                  "record, rollback or lower_lr")
-    if strategy == "deepspeed" and checkpoint.local_url is None and checkpoint.url and \
-            "://" in checkpoint.url and not checkpoint.url.startswith("file://"):
+    if strategy == "deepspeed" and checkpoint.local_url is None and is_remote(checkpoint.url):
         raise FieldError("checkpoint.url",
                          "DeepSpeed writes checkpoints into a directory (torch.save): with an "
                          "object store url, set checkpoint.local_url (saves commit there and "
@@ -560,7 +560,7 @@ class CheckpointConfig(_Section):
                 raise FieldError(name, "credentials never go in the config: use the AWS "
                                        "environment, profile or instance role")
         if self.local_url is not None:
-            if "://" in self.local_url and not self.local_url.startswith("file://"):
+            if is_remote(self.local_url):
                 raise FieldError("local_url", f"{self.local_url!r} is not a local path")
             if self.url is None:
                 raise FieldError("url", "local_url needs url, the remote tier to upload to")

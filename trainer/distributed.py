@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from trainer.config import TrainerConfig
 
 # Standalone (plain torchrun, no orchestrator to say its hang timeout): five minutes, long

@@ -12,8 +12,8 @@ import time
 import warnings
 
 import orchestrator.worker as ow
-from orchestrator import chaos
-from orchestrator import envcontract as ec
+from orchestrator.contracts import chaos
+from orchestrator.contracts import env as ec
 
 
 def _log(rank: int):

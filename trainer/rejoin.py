@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator import chaos
+from orchestrator.contracts import chaos
 
 # An error of a collective whose peer is gone, as gloo and NCCL word it (their errors are
 # RuntimeErrors, or torch's DistError family in newer releases).

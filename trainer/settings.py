@@ -32,7 +32,7 @@ def _read(path: str) -> dict[str, Any]:
     """The config file, read as every config is (bounded: a damaged or hostile file is a
     ValueError naming the problem, not a traceback from deep in a parser)."""
     if path.endswith(".json"):
-        from orchestrator import readback
+        from orchestrator.contracts import readback
 
         return readback.read_object(Path(path).expanduser(), readback.SMALL)
     from orchestrator.config.loader import read_yaml

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 
 # What this process prepared, for the rank it becomes (read by the memory tier and the
 # start-up breakdown).

@@ -52,9 +52,9 @@ from loadgen_fleet import Fleet, NodeView
 from loadgen_http import Conn
 from loadgen_phases import phase_report
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.journal import read_journal
-from orchestrator.state import NodeState
+from orchestrator.contracts.state import NodeState
 
 FAULTS = ("crash", "hang", "node_lost")
 

@@ -19,7 +19,7 @@ import bisect
 from collections import Counter
 from typing import Any
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 
 
 def _phases(envs: list[Any], res: dict[str, Any]) -> list[tuple[float, str]]:

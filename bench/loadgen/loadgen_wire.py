@@ -3,7 +3,7 @@
 All of it is here so a protocol change (per-node credentials, stricter models) is adapted in
 one file. Messages are built as plain dicts on the hot path (2,048 heartbeats a second would
 otherwise cost the generator a core of pydantic), and ``check_messages`` validates one of
-each kind against the real models of ``orchestrator.protocol`` before a run starts: a
+each kind against the real models of ``orchestrator.contracts.protocol`` before a run starts: a
 message the supervisor would refuse stops the generator at once instead of skewing a run.
 Answers (register responses, assignments) are parsed into the protocol's types before use.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator.auth import node_credential
-from orchestrator.protocol import (
+from orchestrator.contracts.auth import node_credential
+from orchestrator.contracts.protocol import (
     Assignment,
     EventBatch,
     Heartbeat,
@@ -25,7 +25,7 @@ from orchestrator.protocol import (
 
 def bearer(secret: str, node_id: str) -> str:
     """The token an agent of ``node_id`` sends: its own credential, derived from the job
-    secret (``orchestrator.auth``); with no node id, the operator's (the secret itself).
+    secret (``orchestrator.contracts.auth``); with no node id, the operator's (the secret itself).
     Ranks are simulated: their pids are None, so no tool ever signals a made-up pid."""
     return node_credential(secret, node_id) if node_id else secret
 

@@ -68,9 +68,9 @@ def command(config: str | None, sets: list[str], run: Path) -> list[str]:
 
 
 def report_of(name: str, run: Path, wall: float, rc: int | None) -> dict[str, Any]:
-    from orchestrator.rundir import RunDir
+    from orchestrator.contracts.rundir import RunDir
     from orchestrator.status import load_view
-    from orchestrator.summary import build_summary
+    from orchestrator.cli.summary import build_summary
 
     events = _events(run)
     summary = build_summary(load_view(RunDir(run)), RunDir(run))

@@ -41,8 +41,8 @@ def _body(node: int, ppn: int, step: int, rank0_record: bool) -> bytes:
 def measure(nodes: int, ppn: int, rounds: int) -> dict[str, Any]:
     """Run inside the tree under test."""
     from orchestrator.config import load_config
-    from orchestrator.protocol import Heartbeat, RegisterRequest
-    from orchestrator.rundir import RunDir
+    from orchestrator.contracts.protocol import Heartbeat, RegisterRequest
+    from orchestrator.contracts.rundir import RunDir
     from orchestrator.supervisor.core import Supervisor
 
     try:  # the server's own parse: straight from bytes, bounded depth (a tree that has it)

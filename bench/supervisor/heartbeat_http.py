@@ -42,8 +42,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 def serve(loop: str, nodes: int, report_fd: int) -> None:
     """The child: a supervisor with every node registered and generation 1 launched."""
     from orchestrator.config import load_config
-    from orchestrator.protocol import RegisterRequest
-    from orchestrator.rundir import RunDir
+    from orchestrator.contracts.protocol import RegisterRequest
+    from orchestrator.contracts.rundir import RunDir
     from orchestrator.supervisor.core import Supervisor
     from orchestrator.supervisor.server import ApiServer
 

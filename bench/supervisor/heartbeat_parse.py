@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import header, write  # noqa: E402
-from orchestrator.protocol import Assignment, Heartbeat  # noqa: E402
+from orchestrator.contracts.protocol import Assignment, Heartbeat  # noqa: E402
 from orchestrator.supervisor.admission import Limits, check_heartbeat  # noqa: E402
 
 

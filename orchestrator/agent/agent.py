@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from orchestrator.agent.client import SupervisorClient, SupervisorError, Unreachable
 from orchestrator.agent.health import HealthWork
 from orchestrator.agent.keyservice import KeyService, make_undumpable
@@ -31,7 +31,7 @@ from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.agent.tasks import RootTaskFailed, RootTasks
 from orchestrator.agent.warm import SpareKind, WarmPool
 from orchestrator.logs import get_logger
-from orchestrator.protocol import (
+from orchestrator.contracts.protocol import (
     Assignment,
     Heartbeat,
     ProfileOrder,
@@ -44,7 +44,8 @@ from orchestrator.protocol import (
     WorkerEvent,
     keep_valid_records,
 )
-from orchestrator.steprecord import MAX_RECORDS_PER_BEAT
+from orchestrator.contracts.rundir import STACKS_DIR, stack_file_name
+from orchestrator.contracts.steprecord import MAX_RECORDS_PER_BEAT
 
 # Events held while the supervisor is unreachable; beyond this the oldest are dropped.
 _MAX_QUEUED_EVENTS = 10_000
@@ -356,8 +357,7 @@ class Agent:
         answer it, read from outside (py-spy) where it would kill or wait (a stopped rank)."""
         assert self.ranks is not None
         if sig == "SIGUSR1":
-            out = self.run_dir / "stacks" / f"gen{self.ranks.generation or 0:04d}-" \
-                                            f"rank{rank:05d}.txt"
+            out = self.run_dir / STACKS_DIR / stack_file_name(self.ranks.generation or 0, rank)
             how = await self.ranks.dump_stacks(rank, out)
             self.log.warning("stack dump order", rank=rank, how=how)
             return

@@ -16,7 +16,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from orchestrator.auth import is_node_credential, node_credential
+from orchestrator.contracts.auth import is_node_credential, node_credential
 from orchestrator.logs import redact
 
 
@@ -45,7 +45,7 @@ class SupervisorClient:
     one who leads, and ``switch`` moves to it (the agent's lease does, once its supervisor
     has been silent a while: ``agent.lease``).
 
-    ``token`` is the node's own credential (``orchestrator.auth.node_credential``), as the
+    ``token`` is the node's own credential (``orchestrator.contracts.auth.node_credential``), as the
     launchers hand it over. Given the job secret instead (agents started by someone else
     that mount the job's Secret), the client derives its node's credential from it and
     ``node_id``. ``ca_file`` (default: ``ORCH_TLS_CA``): the CA bundle an https supervisor's

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.health.context import NodeContext
 from orchestrator.health.runner import ReadyChild, run_node_checks
 from orchestrator.logs import get_logger
-from orchestrator.protocol import Assignment, HealthReport
+from orchestrator.contracts.protocol import Assignment, HealthReport
 
 _TAIL = 5  # log lines of a failed network-test rank carried in the report
 

@@ -5,7 +5,7 @@ The protocol and why are ``orchestrator.worker.keyclient``'s. Here:
 - the key comes from what the supervisor and the operator give the generation
   (``ORCH_CHECKPOINT_KEY_FILE`` in the assignment's environment, or ``ORCH_CHECKPOINT_KEY`` /
   ``..._FILE`` in the agent's own), read once per source; the ranks' environment never has
-  either (``rank_env``, ``envcontract.without_secrets``);
+  either (``rank_env``, ``contracts.env.without_secrets``);
 - a request is answered only for the process that is (or descends from) the rank it names,
   a live rank of the running generation: the peer pid of the connection (``SO_PEERCRED``);
 - a durable manifest is signed for rank 0 only (it commits checkpoints); a memory-tier
@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from orchestrator.worker.keyclient import KeyReply, KeyRequest
 from trainer.checkpoint import signing
 

@@ -32,11 +32,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 from orchestrator.logs import get_logger
-from orchestrator.protocol import MAX_STEP_INTERVAL_S, Generation, Phase, Pid, Rank, Step
+from orchestrator.contracts.protocol import MAX_STEP_INTERVAL_S, Generation, Phase, Pid, Rank, Step
 from orchestrator.worker.keyclient import MAX_LINE, KeyReply, key_line
-from orchestrator.worker_events import Timestamp
+from orchestrator.contracts.worker_events import Timestamp
 
 # Records held for the supervisor while it is unreachable; beyond this the oldest are
 # dropped (they are in the worker's own logs; the stream resumes when it is back).

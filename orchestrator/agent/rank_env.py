@@ -8,7 +8,7 @@ exit's cause.
 
 Where we differ from torchrun, and why:
 
-- No secret reaches a rank (``envcontract.SECRETS``): not the control-API token, not the
+- No secret reaches a rank (``contracts.env.SECRETS``): not the control-API token, not the
   checkpoint signing key nor its file's path, even when ``job.env`` names them: the node
   agent signs and checks manifests for its ranks (``agent.keyservice``).
 
@@ -27,8 +27,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from orchestrator import envcontract as ec
-from orchestrator.protocol import Assignment
+from orchestrator.contracts import env as ec
+from orchestrator.contracts.protocol import Assignment
 
 # torchrun's defaults for variables a user may still override (job.env or the agent's env).
 TORCHRUN_DEFAULTS = {

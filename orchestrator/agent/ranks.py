@@ -26,8 +26,8 @@ from orchestrator.agent.rank_env import (
     read_error_file,
 )
 from orchestrator.agent.warm import SpareKind, WarmPool
-from orchestrator.envcontract import replacement_env
-from orchestrator.protocol import Assignment, RankInfo
+from orchestrator.contracts.env import replacement_env
+from orchestrator.contracts.protocol import Assignment, RankInfo
 
 # Exit codes of a rank that never started, as a shell reports them.
 EXIT_NOT_FOUND = 127

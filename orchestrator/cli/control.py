@@ -14,10 +14,10 @@ from rich.console import Console
 
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.cli.liveness import api_ssl_context, pid_alive, resume_command
-from orchestrator.envcontract import TOKEN, read_token
+from orchestrator.contracts.env import TOKEN, read_token
 from orchestrator.jobview import JobView
-from orchestrator.rundir import RunDir
-from orchestrator.state import JobState
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.state import JobState
 from orchestrator.status import last_step_record, load_view
 
 console = Console(stderr=True)
@@ -130,7 +130,7 @@ def show_rank_logs(run_dir: Path | None, ranks: list[int] | None, follow: bool,
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error[/red] {exc}")
         return 2
-    from orchestrator.console import JobFollower
+    from orchestrator.cli.console import JobFollower
 
     world = load_view(run).world_size
     unknown = [r for r in ranks or [] if world and r >= world]
@@ -151,7 +151,7 @@ def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,
               token_file: Path | None, orphan_timeout: float) -> int:
     from orchestrator.agent.agent import Agent
     from orchestrator.logs import configure_logging
-    from orchestrator.rundir import make_private
+    from orchestrator.contracts.rundir import make_private
 
     make_private()  # its logs, and what its ranks write (they inherit it)
 
@@ -170,13 +170,13 @@ def run_agent(head: str, node_id: str, addr: str, procs: int, run_dir: Path,
 
 
 def write_node_credential(node_id: str, secret_file: Path, out: Path) -> int:
-    """Write ``node_id``'s own credential (``orchestrator.auth.node_credential``) to ``out``,
+    """Write ``node_id``'s own credential (``contracts.auth.node_credential``) to ``out``,
     0400: what a Kubernetes init container hands its agent, so the agent never holds the job
     secret (with it, a node could speak for any other node, or stop the job)."""
     import re
     import tempfile
 
-    from orchestrator.auth import authenticate, node_credential
+    from orchestrator.contracts.auth import authenticate, node_credential
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", node_id):
         console.print(f"[red]error[/red] node id {node_id!r}: 1-128 of A-Z a-z 0-9 _ . - "

@@ -20,7 +20,7 @@ from rich.table import Table
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import CHECK_NAMES
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 from orchestrator.status import load_view
 
 out = Console()

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from orchestrator.console import JobFollower, describe, progress_line
+from orchestrator.cli.console import JobFollower, describe, progress_line
 from orchestrator.textsafe import shown
 
 # The progress line is redrawn this often; the journal and step files are read as often.
@@ -169,7 +169,7 @@ class ConsoleView:
 
 
 def _goodput(root: Path) -> float | None:
-    from orchestrator.rundir import RunDir
+    from orchestrator.contracts.rundir import RunDir
     from orchestrator.status import load_books
 
     try:

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 
 # /healthz answers in milliseconds on a live supervisor; a busy one still answers within this.
 _HEALTHZ_TIMEOUT_S = 2.0

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 from orchestrator.config.loader import ConfigError, Problem, apply_overrides, read_yaml
 from stability.config import StabilityConfig
 from stability.lineage import LineageMonitor

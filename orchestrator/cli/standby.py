@@ -14,8 +14,8 @@ from pathlib import Path
 
 from orchestrator.config import Config
 from orchestrator.config.loader import read_yaml, validate_data
-from orchestrator.rundir import RunDir
-from orchestrator.state import JobState
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.state import JobState
 from orchestrator.supervisor.leader import Leadership
 
 

@@ -20,8 +20,8 @@ from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.cli.liveness import pid_alive
 from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.config.loader import read_yaml, validate_data
-from orchestrator.rundir import RunDir, make_private
-from orchestrator.state import JobState
+from orchestrator.contracts.rundir import RunDir, make_private
+from orchestrator.contracts.state import JobState
 from orchestrator.textsafe import shown
 
 console = Console(stderr=True)
@@ -276,7 +276,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
         import json
 
         from orchestrator.status import load_view
-        from orchestrator.summary import build_summary
+        from orchestrator.cli.summary import build_summary
 
         print(json.dumps({"event": "summary", "run_dir": str(run.root),
                           **build_summary(load_view(run), run)}, default=str), flush=True)

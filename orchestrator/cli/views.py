@@ -12,13 +12,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 from orchestrator.cli.liveness import Liveness, resume_command
 from orchestrator.cli.liveness import check as supervisor_liveness
-from orchestrator.rundir import RunDir
-from orchestrator.state import JobState
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.state import JobState
 from orchestrator.status import build_status, load_view
-from orchestrator.summary import build_summary
+from orchestrator.cli.summary import build_summary
 from orchestrator.textsafe import shown
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import IO, Any
 
-from orchestrator import chaos
+from orchestrator.contracts import chaos
 from orchestrator.health import catalog
 from orchestrator.health.base import CheckResult, Outcome, failed
 from orchestrator.health.context import NodeContext

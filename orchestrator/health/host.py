@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from orchestrator.contracts.rundir import is_remote
 from orchestrator.health.base import Outcome, failed, passed, skipped
 from orchestrator.health.context import NodeContext
 
@@ -22,7 +23,7 @@ _PROBE_BYTES = 1 << 20
 
 def is_local(url: str) -> bool:
     """A plain path or file:// URL (checked with os calls); anything else goes by fsspec."""
-    return "://" not in url or url.startswith("file://")
+    return not is_remote(url)
 
 
 def local_path(url: str) -> Path:

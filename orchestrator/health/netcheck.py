@@ -29,8 +29,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from orchestrator import chaos
-from orchestrator.envcontract import read_health_env
+from orchestrator.contracts import chaos
+from orchestrator.contracts.env import read_health_env
 from orchestrator.health.network import ring_rounds
 from orchestrator.health.reach import probe
 

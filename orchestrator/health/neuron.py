@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from orchestrator.contracts.rundir import is_remote
 from orchestrator.health.base import Outcome, failed, passed, skipped
 from orchestrator.health.context import NodeContext
 
@@ -124,9 +125,9 @@ def mount_of(path: str, mounts: str) -> tuple[str, str]:
 
 
 def judge_compile_cache(location: str, mounts: str) -> Outcome:
-    if "://" in location:
+    if is_remote(location):
         return passed(f"compile cache at {location} (remote object store)", location=location)
-    path = os.path.realpath(location)
+    path = os.path.realpath(location.removeprefix("file://"))
     point, fstype = mount_of(path, mounts)
     details = {"location": location, "mount": point, "fstype": fstype}
     if fstype in SHARED_FS_TYPES:

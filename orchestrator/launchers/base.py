@@ -2,7 +2,7 @@
 
 Training itself runs on torch.distributed; the launcher only gets one agent per node
 running with *its own* credential in its environment (never on its command line, where
-``ps`` would show it): ``HMAC(job secret, node id)`` from ``orchestrator.auth``, so an agent
+``ps`` would show it): ``HMAC(job secret, node id)`` from ``contracts.auth``, so an agent
 can speak for its own node only and never holds the job secret.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.auth import node_credential
+from orchestrator.contracts.auth import node_credential
 from orchestrator.config.schema import Config
-from orchestrator.envcontract import token_env
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.env import token_env
+from orchestrator.contracts.rundir import RunDir
 
 
 @dataclass(frozen=True)

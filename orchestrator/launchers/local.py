@@ -6,7 +6,7 @@ import asyncio
 import os
 import subprocess
 
-from orchestrator.events import AgentSpawned
+from orchestrator.contracts.events import AgentSpawned
 from orchestrator.launchers.base import (
     AgentSpec,
     Launcher,

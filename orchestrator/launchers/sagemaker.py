@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from orchestrator.events import AgentsExpected, AgentSpawned
+from orchestrator.contracts.events import AgentsExpected, AgentSpawned
 from orchestrator.launchers.base import AgentSpec, Launcher, agent_command, terminate_pids
 
 # An agent whose supervisor is gone (the first host failed) and that runs no rank exits

@@ -18,8 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.envcontract import TOKEN
-from orchestrator.events import AgentSpawned
+from orchestrator.contracts.env import TOKEN
+from orchestrator.contracts.events import AgentSpawned
 from orchestrator.launchers.base import (
     SAFE_PATH,
     AgentSpec,

@@ -23,7 +23,7 @@ import shlex
 from typing import Any
 
 from orchestrator.config.schema import Config
-from orchestrator.envcontract import NODE_COUNT, TOKEN
+from orchestrator.contracts.env import NODE_COUNT, TOKEN
 from orchestrator.render import dump_yaml, header, job_yaml
 
 API_PORT = 9410

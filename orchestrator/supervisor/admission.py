@@ -1,7 +1,7 @@
 """What a node may say: a pure check of one parsed message against the node's place in the job.
 
-The API server authenticates the node (``orchestrator.auth``), parses the message
-(``orchestrator.protocol``), then asks here whether this node may send it. A node speaks for
+The API server authenticates the node (``orchestrator.contracts.auth``), parses the message
+(``contracts.protocol``), then asks here whether this node may send it. A node speaks for
 itself and for the ranks of its slice of the current generation (the newest launched) only:
 
 - every message names the authenticated node (``node_id``); a result of a health check too;
@@ -14,7 +14,7 @@ itself and for the ranks of its slice of the current generation (the newest laun
   but the current one is refused. The one exception is the late report the supervisor asked
   for when it stopped an older generation: an exit of one of the node's ranks of that
   generation, or the node's stop confirmation (intake folds neither into the current one);
-- step records are rank 0's (``orchestrator.steprecord``): only the node holding rank 0 of
+- step records are rank 0's (``orchestrator.contracts.steprecord``): only the node holding rank 0 of
   the current generation sends them; and the events that speak for the checkpoints and the
   restore (``worker_events.RANK0_NAMES``) are rank 0's too;
 - a calibration value (``step_interval_max``) stays under ``limits.max_step_interval_s``;
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from orchestrator.protocol import (
+from orchestrator.contracts.protocol import (
     EventBatch,
     HealthReport,
     Heartbeat,
@@ -40,7 +40,7 @@ from orchestrator.protocol import (
     RegisterRequest,
     WorkerEvent,
 )
-from orchestrator.worker_events import RANK0_NAMES
+from orchestrator.contracts.worker_events import RANK0_NAMES
 
 # The rank whose step records travel (the worker SDK's default).
 RECORDS_RANK = 0

@@ -34,9 +34,9 @@ import sys
 
 from aiohttp import web
 
-from orchestrator.auth import authenticate, bearer_of
+from orchestrator.contracts.auth import authenticate, bearer_of
 from orchestrator.logs import configure_logging, get_logger
-from orchestrator.protocol import Heartbeat
+from orchestrator.contracts.protocol import Heartbeat
 from orchestrator.supervisor import admission, beatwire
 from orchestrator.supervisor.httpbody import error, parse_body, read_body
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.protocol import NodeId, Port
+from orchestrator.contracts.protocol import NodeId, Port
 
 SETUP, MIRROR, REPLY, READY, BEATS, ASK = b"S", b"M", b"R", b"Y", b"B", b"A"
 # A frame holds at most a batch of heartbeats of api.max_body_mb each: bounded by the reader.

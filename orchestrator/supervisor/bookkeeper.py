@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 from orchestrator.books import Books, Ledger
 from orchestrator.clock import Clock
-from orchestrator.events import Envelope, parse_event
+from orchestrator.contracts.events import Envelope, parse_event
 from orchestrator.logs import get_logger
-from orchestrator.rundir import RunDir
-from orchestrator.steprecord import StepRecord, parse_stored_line
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.steprecord import StepRecord, parse_stored_line
 from orchestrator.supervisor.metrics import SupervisorMetrics
 
 # How often the live books are refreshed: well under the usual 15 s scrape interval, and a

@@ -16,20 +16,20 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.allocation import mismatch as allocation_mismatch
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
-from orchestrator.envcontract import read_token
-from orchestrator.events import Envelope, Event
+from orchestrator.contracts.env import read_token
+from orchestrator.contracts.events import Envelope, Event
 from orchestrator.health.base import Level
-from orchestrator.health.coordinator import HealthCoordinator
+from orchestrator.supervisor.health_rounds import HealthCoordinator
 from orchestrator.jobview import JobView
 from orchestrator.journal import Journal, SkipReport, read_journal
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
-from orchestrator.rundir import RunDir
-from orchestrator.state import Cause, JobState, NodeState, check_transition
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.state import Cause, JobState, NodeState, check_transition
 from orchestrator.supervisor.bookkeeper import BookKeeper
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.deadlines import LoopLag

@@ -15,8 +15,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator import events as ev
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.rundir import is_remote, stack_file_name
+from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import collective_timeout_s
 from orchestrator.supervisor.intake import Intake, Observation
@@ -145,12 +146,12 @@ class GenerationParts:
         # journaled); generated once at 0600 when none is given, beside a local checkpoint
         # root (the run directory by default), so every run that shares those checkpoints
         # (a requeued Slurm job's next attempt, say) shares the key; else in the run dir.
-        from orchestrator.envcontract import GenerationEnv
+        from orchestrator.contracts.env import GenerationEnv
         from trainer.checkpoint import signing
 
         root = self.ctx.checkpoint_root
-        key_home = signing.default_key_path(root).parent if root and (
-            "://" not in root or root.startswith("file://")) else self.ctx.rundir.root
+        key_home = signing.default_key_path(root).parent if root and \
+            not is_remote(root) else self.ctx.rundir.root
 
         # In-job recovery: NCCL's watchdog aborts a communicator whose peer failed and
         # raises in the rank (2, CleanUpOnly) instead of ending the process (torchrun's 1,
@@ -304,8 +305,7 @@ class GenerationParts:
             await self.nodes.send_signals(node.node_id, [
                 *((r, "SIGUSR1") for r in ranks), *((r, "SIGCONT") for r in ranks)])
         stacks = str(self.ctx.rundir.stacks)
-        wanted = [f"gen{generation:04d}-rank{r:05d}.txt"
-                  for r in range(self.cfg.cluster.world_size)]
+        wanted = [stack_file_name(generation, r) for r in range(self.cfg.cluster.world_size)]
         clock = self.ctx.clock
         deadline = clock.monotonic() + self.cfg.timeouts.stack_dump_wait_s
         done: set[str] = set()

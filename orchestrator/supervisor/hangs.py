@@ -9,7 +9,7 @@ The training timeout calibrates itself::
 
     timeout = max(floor, training_multiplier * pace)
 
-where the pace is what each rank's SDK measures (``orchestrator.pace``: the second-largest of
+where the pace is what each rank's SDK measures (``contracts.pace``: the second-largest of
 its last 200 step intervals past its generation's warm-up, so one slow step that does not
 recur never calibrates it), the smallest of the ranks' (they step in lockstep: a rank's wait
 for a peer's save is no step time), the largest reported over the job's last
@@ -152,10 +152,16 @@ class TrainingTimeout:
         return False
 
 
+def silent_after_s(heartbeat_interval_s: float) -> float:
+    """How long a rank may go without a beat before it counts as silent: three missed
+    beats, and never under a second (a beat may wait behind a busy loop that long)."""
+    return max(3 * heartbeat_interval_s, 1.0)
+
+
 def phase_timeout(cfg: TimeoutsConfig, phase: str | None, training: TrainingTimeout,
                   warming: bool = False) -> float:
     """The timeout of ``phase``; ``warming``: a rank within its generation's first step
-    intervals (``orchestrator.pace.WARMUP_STEPS``), which its SDK does not measure, gets at
+    intervals (``contracts.pace.WARMUP_STEPS``), which its SDK does not measure, gets at
     least the start-up floor, not the tight value an earlier generation calibrated."""
     if phase == "training":
         if warming and cfg.phases.training is None:
@@ -215,7 +221,7 @@ def find_hangs(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingT
 def _busy_peer(gen: GenerationProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
                now: float) -> bool:
     """Whether a rank that still beats is in a busy phase within its timeout."""
-    quiet = max(3 * cfg.heartbeat_interval_s, 1.0)
+    quiet = silent_after_s(cfg.heartbeat_interval_s)
     for phase in BUSY_PHASES:
         ranks = gen.idle.get(phase)
         if ranks is None:
@@ -240,7 +246,7 @@ def _silent_peers(hung: list[Suspect], gen: GenerationProgress, cfg: TimeoutsCon
     named = {s.rank for s in hung}
     steps = [s.step for s in hung if s.step is not None]
     floor = min(steps) if steps else None
-    quiet = max(3 * cfg.heartbeat_interval_s, 1.0)
+    quiet = silent_after_s(cfg.heartbeat_interval_s)
     peers = []
     for rp in gen.ranks.values():
         if rp.rank in named or rp.finished or rp.progress_seen is None \
@@ -273,7 +279,7 @@ def _check(rp: RankProgress, cfg: TimeoutsConfig, training: TrainingTimeout,
     if idle <= limit:
         return None
     beat_age = None if rp.beat_received is None else now - rp.beat_received
-    silent = beat_age is None or beat_age > max(3 * cfg.heartbeat_interval_s, 1.0)
+    silent = beat_age is None or beat_age > silent_after_s(cfg.heartbeat_interval_s)
     return Suspect(rp.rank, rp.phase or "init", rp.step, idle, beat_age, limit, silent)
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator import events as ev
-from orchestrator.chaos import ChaosDriver
-from orchestrator.protocol import (
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.chaos import ChaosDriver
+from orchestrator.contracts.protocol import (
     Assignment,
     EventBatch,
     HealthReport,
@@ -35,9 +35,15 @@ from orchestrator.protocol import (
     RegisterResponse,
     WorkerEvent,
 )
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.hangs import Suspect, TrainingTimeout, any_overdue, find_hangs
+from orchestrator.supervisor.hangs import (
+    Suspect,
+    TrainingTimeout,
+    any_overdue,
+    find_hangs,
+    silent_after_s,
+)
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 from orchestrator.supervisor.outcome import Outcome, exit_reason
 from orchestrator.supervisor.placement import Placement
@@ -303,7 +309,7 @@ class Intake:
         launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}
         by_rank = {rank: node_id for node_id, rank in launch.get("nodes", {}).items()}
         ppn = self.cfg.cluster.procs_per_node
-        quiet = max(3 * self.cfg.timeouts.heartbeat_interval_s, 1.0)
+        quiet = silent_after_s(self.cfg.timeouts.heartbeat_interval_s)
         for s in suspects:
             node = self.nodes.nodes.get(by_rank.get(s.rank // ppn, ""))
             if node is not None and self.nodes.judged_silence(node) > quiet:

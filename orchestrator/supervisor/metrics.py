@@ -20,11 +20,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from orchestrator import __version__
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.books import BADPUT_CATEGORIES
-from orchestrator.events import Envelope, as_envelope
+from orchestrator.contracts.events import Envelope, as_envelope
 from orchestrator.health.catalog import CHECK_NAMES
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts.state import Cause, JobState, NodeState
 
 STRAGGLER_ACTIONS = ("named", "cleared", "excluded")
 FAILURE_CAUSES = tuple(c.value for c in Cause if c not in (Cause.COMPLETED,))

@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from orchestrator.clock import Clock
-from orchestrator.events import Envelope, Event, NodeStateChanged
-from orchestrator.protocol import Assignment, RankInfo, RegisterRequest, SignalOrder
-from orchestrator.state import NodeState
+from orchestrator.contracts.events import Envelope, Event, NodeStateChanged
+from orchestrator.contracts.protocol import Assignment, RankInfo, RegisterRequest, SignalOrder
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.deadlines import LoopLag, OldestFirst, ServiceClock
 
 _R, _A, _S, _L, _X, _E = (NodeState.REGISTERED, NodeState.ACTIVE, NodeState.SPARE,

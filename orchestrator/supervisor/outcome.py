@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.state import Cause
+from orchestrator.contracts.state import Cause
 
 
 @dataclass

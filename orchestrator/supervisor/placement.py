@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.state import NodeState
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.nodes import NodeRecord
 
 
@@ -27,7 +27,7 @@ def place(nodes: list[NodeRecord], needed: int, procs_per_node: int) -> Placemen
     changes: a job short of nodes waits or fails rather than shrinking.
     """
     usable = [n for n in nodes if n.usable and n.procs >= procs_per_node]
-    usable.sort(key=lambda n: _id_key(n.node_id))
+    usable.sort(key=lambda n: id_key(n.node_id))
     active: dict[str, int] = {}
     taken: set[int] = set()
     for n in usable:
@@ -38,14 +38,15 @@ def place(nodes: list[NodeRecord], needed: int, procs_per_node: int) -> Placemen
     free_ranks = [r for r in range(needed) if r not in taken]
     # Spares first: they were held back for exactly this.
     candidates = [n for n in usable if n.node_id not in active]
-    candidates.sort(key=lambda n: (n.state is not NodeState.SPARE, _id_key(n.node_id)))
+    candidates.sort(key=lambda n: (n.state is not NodeState.SPARE, id_key(n.node_id)))
     for rank, node in zip(free_ranks, candidates, strict=False):
         active[node.node_id] = rank
     spares = [n.node_id for n in usable if n.node_id not in active]
     return Placement(active, spares, max(0, needed - len(active)))
 
 
-def _id_key(node_id: str) -> tuple:
-    # "local-10" sorts after "local-9": compare the numeric tail as a number.
+def id_key(node_id: str) -> tuple:
+    """The order nodes are placed, checked and reported in: "local-10" sorts after
+    "local-9" (the numeric tail compared as a number)."""
     head, _, tail = node_id.rpartition("-")
     return (head, int(tail), "") if tail.isdigit() else (node_id, -1, node_id)

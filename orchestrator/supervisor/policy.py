@@ -19,7 +19,7 @@ from tenacity import wait_exponential
 
 from orchestrator.config.schema import RestartConfig
 from orchestrator.jobview import JobView
-from orchestrator.state import Cause
+from orchestrator.contracts.state import Cause
 from orchestrator.supervisor.outcome import exit_reason
 
 

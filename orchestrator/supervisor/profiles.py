@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator import events as ev
-from orchestrator.protocol import ProfileOrder, ProfileRequest
-from orchestrator.state import JobState
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.protocol import ProfileOrder, ProfileRequest
+from orchestrator.contracts.state import JobState
 
 # Beyond the heartbeat intervals: the long-poll's round trip and a busy host's delays.
 _LEAD_SLACK_S = 2.0

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.clock import Clock
-from orchestrator.events import Envelope, Event, FirstStep, Progress
-from orchestrator.pace import WARMUP_STEPS
-from orchestrator.protocol import RankInfo
-from orchestrator.steprecord import StepRecord, encode_stored
+from orchestrator.contracts.events import Envelope, Event, FirstStep, Progress
+from orchestrator.contracts.pace import WARMUP_STEPS
+from orchestrator.contracts.protocol import RankInfo
+from orchestrator.contracts.steprecord import StepRecord, encode_stored
 from orchestrator.supervisor.deadlines import OldestFirst
 
 
@@ -47,7 +47,7 @@ class RankProgress:
     @property
     def warming(self) -> bool:
         """Within its generation's first ``WARMUP_STEPS`` step intervals: the ones its SDK
-        does not measure (``orchestrator.pace``), judged by the start-up floor."""
+        does not measure (``orchestrator.contracts.pace``), judged by the start-up floor."""
         return self.step is not None and self.first_step is not None \
             and self.step - self.first_step < WARMUP_STEPS
 
@@ -62,7 +62,7 @@ class GenerationProgress:
     ranks: dict[int, RankProgress] = field(default_factory=dict)
     # phase -> ranks in that phase by the time they last made progress
     idle: dict[str | None, OldestFirst[int]] = field(default_factory=dict)
-    # Each rank's latest report of its step pace (``orchestrator.pace``), kept so the
+    # Each rank's latest report of its step pace (``orchestrator.contracts.pace``), kept so the
     # smallest is read without a scan.
     intervals: OldestFirst[int] = field(default_factory=OldestFirst)
     # Ranks of a script without the SDK before its first step: judged by liveness, not by

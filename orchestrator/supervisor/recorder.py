@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orchestrator.events import Envelope, Event
+from orchestrator.contracts.events import Envelope, Event
 from orchestrator.jobview import JobView
 from orchestrator.journal import Journal
 from orchestrator.supervisor.metrics import SupervisorMetrics

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.steprecord import StepRecord
+from orchestrator.contracts.steprecord import StepRecord
 
 # Seconds' worth of records a burst may hold (an agent catching up after the supervisor was
 # away sends at most 1,000 a beat).

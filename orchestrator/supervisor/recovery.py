@@ -20,7 +20,8 @@ from typing import Any
 
 from orchestrator.config import Config
 from orchestrator.jobview import JobView
-from orchestrator.state import Cause, NodeState
+from orchestrator.contracts.state import Cause, NodeState
+from orchestrator.supervisor.hangs import silent_after_s
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.progress import GenerationProgress
@@ -116,7 +117,7 @@ def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any
             return restart(f"node {node_id} of the generation is {state}")
         # An agent that died with its ranks is not lost yet when its ranks' peers report;
         # its silence already says no replacement will start there.
-        if nodes.judged_silence(node) > max(3 * cfg.timeouts.heartbeat_interval_s, 1.0):
+        if nodes.judged_silence(node) > silent_after_s(cfg.timeouts.heartbeat_interval_s):
             return restart(f"node {node_id} of the generation is "
                            f"{nodes.silence_reason(node)}")
     return Path(IN_JOB, f"rank(s) {replace} replaced in place; the other "

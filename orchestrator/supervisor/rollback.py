@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.steprecord import MAX_STEP
+from orchestrator.contracts.steprecord import MAX_STEP
 from stability.config import StabilityConfig
 from stability.events import Event
 

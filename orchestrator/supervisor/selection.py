@@ -11,14 +11,14 @@ import asyncio
 from collections.abc import Callable
 
 from orchestrator.health.base import Level
-from orchestrator.health.coordinator import HealthCoordinator
+from orchestrator.supervisor.health_rounds import HealthCoordinator
 from orchestrator.launchers import AgentSpec, Launcher
-from orchestrator.state import Cause, NodeState
+from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation import TICK_S
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.outcome import JobFailed
-from orchestrator.supervisor.placement import Placement, _id_key, place
+from orchestrator.supervisor.placement import Placement, id_key, place
 from orchestrator.supervisor.policy import OperatorStop
 
 
@@ -87,7 +87,7 @@ class NodeSelection:
                 raise OperatorStop()
             await clock.sleep(TICK_S)
         usable = sorted((n for n in nodes.values() if n.usable),
-                        key=lambda n: _id_key(n.node_id))
+                        key=lambda n: id_key(n.node_id))
         results = await self.health.run_round(usable, level) if usable else {}
         fatal = sorted({n for n, rs in results.items() if any(r.fatal_failure for r in rs)})
         return (f"health check only: {len(usable)} of {self.launcher.wanted_nodes} node(s) "

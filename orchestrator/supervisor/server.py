@@ -1,6 +1,6 @@
 """The supervisor's HTTP endpoint: the agents' control API, /metrics, /healthz, /v1/status.
 
-Who may call what (``orchestrator.auth``): the agents' routes (register, heartbeat, events,
+Who may call what (``contracts.auth``): the agents' routes (register, heartbeat, events,
 assignment) need a node's own credential, the operator's routes (stop, profile, status) the
 job secret; anything else gets 401. A node speaks only for itself and its ranks (``admission``): a message
 it may not send gets 403 and a ``message_rejected`` journal event naming it, and changes
@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from orchestrator.auth import Principal, authenticate, bearer_of
-from orchestrator.protocol import (
+from orchestrator.contracts.auth import Principal, authenticate, bearer_of
+from orchestrator.contracts.protocol import (
     EventBatch,
     Heartbeat,
     ProfileRequest,
     RegisterRequest,
     StopRequest,
 )
-from orchestrator.state import NodeState
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor import admission, beatwire
 from orchestrator.supervisor.beatlink import BeatLink
 from orchestrator.supervisor.httpbody import M, error, parse_body, read_body
@@ -37,7 +37,7 @@ from orchestrator.supervisor.profiles import ProfileRefused
 if TYPE_CHECKING:
     from orchestrator.config.schema import Config
     from orchestrator.jobview import JobView
-    from orchestrator.rundir import RunDir
+    from orchestrator.contracts.rundir import RunDir
     from orchestrator.supervisor.bookkeeper import BookKeeper
     from orchestrator.supervisor.intake import Intake
     from orchestrator.supervisor.metrics import SupervisorMetrics

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import events as ev
-from orchestrator import readback
-from orchestrator.rundir import RunDir
-from orchestrator.steprecord import StepRecord, read_steps
+from orchestrator.contracts import events as ev
+from orchestrator.contracts import readback
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.steprecord import StepRecord, read_steps
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.rollback import (
     RollbackPlan,

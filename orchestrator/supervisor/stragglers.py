@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.config.schema import StragglerConfig
-from orchestrator.state import NodeState
+from orchestrator.contracts.state import NodeState
 
 
 @dataclass

@@ -35,7 +35,7 @@ import weakref
 from collections.abc import MutableMapping
 from typing import Any
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 
 _OPTIMIZER_MODULE = "torch.optim.optimizer"
 # The worker event a rank sends with its optimizer's step count at its first step.

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The most steps a profile may cover (``orchestrator.protocol.MAX_PROFILE_STEPS``; the
+# The most steps a profile may cover (``orchestrator.contracts.protocol.MAX_PROFILE_STEPS``; the
 # worker does not import the protocol module, and a test holds the two equal).
 MAX_STEPS = 200
 _MAX_ID = 1 << 31

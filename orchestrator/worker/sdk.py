@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import chaos as chaos_
-from orchestrator import envcontract as ec
-from orchestrator.chaos import ChaosPlan
+from orchestrator.contracts import chaos as chaos_
+from orchestrator.contracts import env as ec
+from orchestrator.contracts.chaos import ChaosPlan
 from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
-from orchestrator.pace import StepPace
+from orchestrator.contracts.pace import StepPace
+from orchestrator.contracts.rundir import STACKS_DIR, stack_file_name
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
@@ -79,7 +80,7 @@ class WorkerContext:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
         """Parse this rank's environment; a malformed ``ORCH_*`` value raises
-        :class:`~orchestrator.envcontract.EnvError` naming the variable."""
+        :class:`~orchestrator.contracts.env.EnvError` naming the variable."""
         gen = ec.GenerationEnv.from_env(env)
         agent = ec.AgentEnv.from_env(env)
         return cls(
@@ -113,7 +114,7 @@ class Worker:
         self._step: int | None = None
         self._phase = "init"
         self._last_step_ts: float | None = None
-        self._pace = StepPace()  # calibrates the hang timeout (``orchestrator.pace``)
+        self._pace = StepPace()  # calibrates the hang timeout (``orchestrator.contracts.pace``)
         # Work beside training that slows its steps until it is done (``disturbed_while``).
         self._disturbances: list[Callable[[], bool]] = []
         self._disturbed_step = False  # the last step was disturbed: the next interval too
@@ -193,9 +194,9 @@ class Worker:
         # even when the training thread is stuck inside a collective holding the GIL free).
         if not self.ctx.run_dir or not hasattr(faulthandler, "register"):
             return
-        stacks = Path(self.ctx.run_dir) / "stacks"
+        stacks = Path(self.ctx.run_dir) / STACKS_DIR
         stacks.mkdir(parents=True, exist_ok=True)
-        path = stacks / f"gen{self.ctx.generation:04d}-rank{self.ctx.rank:05d}.txt"
+        path = stacks / stack_file_name(self.ctx.generation, self.ctx.rank)
         previous, self._stack_file = self._stack_file, open(path, "a")  # noqa: SIM115
         faulthandler.register(STACK_DUMP_SIGNAL, file=self._stack_file, all_threads=True,
                               chain=False)
@@ -273,7 +274,7 @@ class Worker:
 
     def on_step(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(step)`` in the training thread right after each step is recorded
-        (how ``orchestrator.chaos`` lands a kill on an exact step)."""
+        (how ``orchestrator.contracts.chaos`` lands a kill on an exact step)."""
         self._on_step.append(hook)
 
     def disturbed_while(self, busy: Callable[[], bool]) -> None:

@@ -30,7 +30,7 @@ import runpy
 import sys
 import time
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from orchestrator.worker import hook
 
 

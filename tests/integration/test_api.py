@@ -15,7 +15,7 @@ import pytest
 from jobs import api_call as _call
 from jobs import env, journal, kill_strays, states, wait_for, write_config
 
-from orchestrator.auth import node_credential
+from orchestrator.contracts.auth import node_credential
 
 pytestmark = pytest.mark.slow
 

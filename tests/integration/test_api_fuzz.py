@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jobs import env, kill_strays, wait_for, write_config
 
-from orchestrator.auth import node_credential
+from orchestrator.contracts.auth import node_credential
 
 NODE = "fuzz-0"
 WORLD = 4  # 2 nodes x 2 ranks; the fuzzing node is the only one that registers

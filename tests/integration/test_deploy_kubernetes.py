@@ -118,7 +118,7 @@ def test_node_credential_writes_a_credential_the_supervisor_accepts(tmp_path: Pa
     import subprocess
     import sys
 
-    from orchestrator.auth import authenticate
+    from orchestrator.contracts.auth import authenticate
 
     secret = tmp_path / "secret" / "token"
     secret.parent.mkdir()

@@ -25,7 +25,7 @@ from jobs import api_call as _call
 from jobs import env, journal, kill_strays, states, status, up, wait_for, write_config
 from jobs import metric as _metric
 
-from orchestrator.auth import node_credential
+from orchestrator.contracts.auth import node_credential
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.nodeconfig import preload_pythonpath
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.journal import read_journal
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -47,7 +47,7 @@ class Fenced(RuntimeError):
     """A write refused: a newer generation has claimed the checkpoint root."""
 
 
-_RUN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as envcontract.get_lineage checks it
+_RUN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as contracts.env.get_lineage checks it
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from typing import IO, Any
 
 import fsspec
 
+from orchestrator.contracts.rundir import is_remote  # noqa: F401 (layout.is_remote stays)
 from trainer.checkpoint import manifest as manifest_format
 from trainer.checkpoint import signing
 from trainer.checkpoint.files import (  # noqa: F401 (layout.X stays the public name)
@@ -78,11 +79,6 @@ def parse_step_dir(url: str) -> int | None:
     """The step of a ``.../step-XXXXXXXX`` URL, or None for any other URL."""
     m = _STEP_DIR.match(posixpath.basename(url.rstrip("/")))
     return int(m.group(1)) if m else None
-
-
-def is_remote(url: str) -> bool:
-    """True for an object-store or other non-local URL (``s3://``, ``gs://``, ...)."""
-    return "://" in url and not url.startswith("file://")
 
 
 def job_url(root: str, job: str) -> str:

@@ -4,7 +4,7 @@ A manifest is ours when we wrote it, but the checkpoint store is writable by mor
 key-less writer planted ``step-09999999/manifest.json`` holding 100,000 nested ``[`` (a
 RecursionError) or a 5,000-digit integer (a ValueError the reader did not catch), and rank 0
 crash-looped on it while ``checkpoints list/verify/prune`` printed tracebacks. Here every
-manifest is read with the bounded reader (``orchestrator.readback``) and checked against
+manifest is read with the bounded reader (``orchestrator.contracts.readback``) and checked against
 ``Manifest``, the fields the readers use, with types and ranges; what fails is a problem
 naming the manifest (the checkpoint is skipped), never an exception.
 
@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 
 NAME = "manifest.json"
 MAX_FILES = 1_000_000

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 from trainer.checkpoint import signing
 
 FORMAT = "orchestrator-memory/1"

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from orchestrator.contracts.rundir import is_remote
+
 KEY_ENV = "ORCH_CHECKPOINT_KEY"
 KEY_FILE_ENV = "ORCH_CHECKPOINT_KEY_FILE"
 KEY_FILE_NAME = "checkpoint.key"
@@ -212,9 +214,8 @@ def generation_env(run_dir: str | Path, job_env: dict[str, str] | None = None,
 
 def default_key_path(root: str | None) -> Path:
     """Where a process with no key in its environment keeps one (see the module)."""
-    # A local root (a path or file:// URL; layout.is_remote's rule, not imported: layout
-    # imports this module).
-    if root and ("://" not in root or root.startswith("file://")):
+    # A local root (a path or file:// URL).
+    if root and not is_remote(root):
         local = root.removeprefix("file://") if "://" in root else os.path.expanduser(root)
         return Path(os.path.abspath(local)).parent / KEY_FILE_NAME
     if os.environ.get("ORCH_RUN_DIR"):

@@ -395,7 +395,7 @@ def default_trust(cfg: Any, root: str) -> Callable[[], signing.Trust]:
 
 def agent_signer(env: Any) -> signing.Signer | None:
     """The node agent's key service for this rank, when a node agent runs it."""
-    from orchestrator import envcontract as ec
+    from orchestrator.contracts import env as ec
 
     agent = ec.AgentEnv.from_env(env)
     if not agent.managed or agent.agent_socket is None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.contracts.rundir import is_remote
 from trainer.tokenizer import load_tokenizer
 
 __all__ = ["INDEX_NAME", "INDEX_VERSION", "shard_name", "token_dtype", "stdlib_sources",
@@ -325,11 +326,9 @@ def prepare_dataset(sources: Sequence[str | Path] | str, out_dir: str | Path,
 
 def local_path(path: str) -> Path | None:
     """The local path of ``path``, or None for a remote fsspec URL (s3://, gs://, ...)."""
-    if path.startswith("file://"):
-        return Path(path[len("file://"):]).expanduser()
-    if "://" in path:
+    if is_remote(path):
         return None
-    return Path(path).expanduser()
+    return Path(path.removeprefix("file://")).expanduser()
 
 
 def ensure_dataset(data_cfg: Any, progress: Any = None) -> str:

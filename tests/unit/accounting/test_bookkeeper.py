@@ -10,7 +10,7 @@ from _accounting_script import Script
 from prometheus_client import CollectorRegistry
 
 from orchestrator.books import BADPUT_CATEGORIES, compute_books
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 from orchestrator.status import load_books
 from orchestrator.supervisor.bookkeeper import BookKeeper, LineFollower
 from orchestrator.supervisor.metrics import SupervisorMetrics

@@ -15,7 +15,7 @@ from _checkpoint_files import KEY, TRUST, make_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from trainer.checkpoint import fence, layout
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.fence import Claim, Fence, Fenced

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from orchestrator.cli.liveness import check
 from orchestrator.cli.ranklogs import LogFollower, parse_since
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 
 CASES = 200
 _SETTINGS = settings(max_examples=CASES, deadline=None,

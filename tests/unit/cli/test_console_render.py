@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.console import (
+from orchestrator.cli.console import (
     STABILITY_ADVICE,
     JobFollower,
     Progress,

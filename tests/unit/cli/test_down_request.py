@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli.control import stop_job
-from orchestrator.events import JobCreated, Transition
+from orchestrator.contracts.events import JobCreated, Transition
 from orchestrator.journal import Journal
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 
 
 class _Supervisor(BaseHTTPRequestHandler):

@@ -16,15 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.cli.ranklogs import show_logs
 from orchestrator.config import ConfigError, load_config
-from orchestrator.console import JobFollower, describe
+from orchestrator.cli.console import JobFollower, describe
 from orchestrator.jobview import JobView
 from orchestrator.journal import Journal
-from orchestrator.rundir import RunDir
-from orchestrator.state import Cause, JobState
-from orchestrator.summary import build_summary
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.state import Cause, JobState
+from orchestrator.cli.summary import build_summary
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

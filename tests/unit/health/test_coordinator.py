@@ -14,10 +14,10 @@ from orchestrator.config import load_config
 from orchestrator.journal import read_events
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import node_checks
-from orchestrator.health.coordinator import HealthCoordinator
+from orchestrator.supervisor.health_rounds import HealthCoordinator
 from orchestrator.logs import get_logger
-from orchestrator.protocol import HealthReport, RegisterRequest
-from orchestrator.state import NodeState
+from orchestrator.contracts.protocol import HealthReport, RegisterRequest
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.nodes import NodeRegistry
 
 

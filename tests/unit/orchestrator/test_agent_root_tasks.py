@@ -17,7 +17,7 @@ from orchestrator.agent.agent import Agent
 from orchestrator.agent.ranks import EXIT_NOT_FOUND, Rank, RankSet, RankSetup, warm_module
 from orchestrator.agent.tasks import RootTaskFailed, RootTasks
 from orchestrator.config.schema import Config
-from orchestrator.protocol import Assignment
+from orchestrator.contracts.protocol import Assignment
 
 
 def test_the_first_failing_root_task_stops_the_others_and_raises() -> None:

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.auth import node_credential
+from orchestrator.contracts.auth import node_credential
 from orchestrator.supervisor import beatwire
 from orchestrator.supervisor.beatlink import BeatLink
 

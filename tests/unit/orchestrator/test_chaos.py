@@ -1,4 +1,4 @@
-"""orchestrator.chaos: the one place faults are defined, parsed and applied."""
+"""orchestrator.contracts.chaos: the one place faults are defined, parsed and applied."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from orchestrator import chaos
-from orchestrator import envcontract as ec
-from orchestrator.chaos import POISON_SCALE, ChaosDriver, ChaosPlan, StepKill
+from orchestrator.contracts import chaos
+from orchestrator.contracts import env as ec
+from orchestrator.contracts.chaos import POISON_SCALE, ChaosDriver, ChaosPlan, StepKill
 from orchestrator.config.schema import ChaosConfig, KillSpec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -209,7 +209,7 @@ def test_no_other_module_interprets_chaos() -> None:
     and the health config, which declare them)."""
     knobs = ("poison_batches", "slow_checkpoint_s", "slow_first_step_s", "slow_final_commit_s",
              "fail_at_start_rank", "slow_ranks", "chaos_hang", "chaos_fail", "os.kill(os.getpid()")
-    allowed = {"orchestrator/chaos.py", "orchestrator/config/schema.py"}
+    allowed = {"orchestrator/contracts/chaos.py", "orchestrator/config/schema.py"}
     offenders = []
     for base in ("orchestrator", "trainer", "stability"):
         for path in (ROOT / base).rglob("*.py"):

@@ -21,7 +21,7 @@ from typing import Any
 
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup, dying_status
-from orchestrator.protocol import Assignment
+from orchestrator.contracts.protocol import Assignment
 
 
 def _zombie(code: str) -> subprocess.Popen:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import envcontract as ec
-from orchestrator.chaos import ChaosPlan, StepKill
+from orchestrator.contracts import env as ec
+from orchestrator.contracts.chaos import ChaosPlan, StepKill
 from orchestrator.agent.rank_env import read_error_file
 
 windows = st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 10**6)).map(

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import envcontract as ec
+from orchestrator.contracts import env as ec
 from orchestrator.worker.hook import _framework_hooks_wanted
 from orchestrator.worker.hooks import attach, core
 from orchestrator.worker.hooks import torchtitan as tt_hook

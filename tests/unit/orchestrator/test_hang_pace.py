@@ -1,4 +1,4 @@
-"""One calibration for every rank: the worker SDK's step pace (``orchestrator.pace``) through
+"""One calibration for every rank: the worker SDK's step pace (``contracts.pace``) through
 the supervisor's progress and hang check, on a fake clock.
 
 A simulated rank (a real ``Worker``, its beats captured instead of sent) steps on a schedule;
@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.config.schema import TimeoutsConfig
-from orchestrator.pace import PACE_WINDOW, WARMUP_STEPS, StepPace
-from orchestrator.protocol import RankInfo
+from orchestrator.contracts.pace import PACE_WINDOW, WARMUP_STEPS, StepPace
+from orchestrator.contracts.protocol import RankInfo
 from orchestrator.supervisor.generation import TICK_S
 from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.progress import GenerationProgress, ProgressTracker, RankProgress

@@ -16,6 +16,9 @@ def _gen(*ranks: RankProgress) -> GenerationProgress:
     gen = GenerationProgress(generation=1)
     for rp in ranks:
         gen.ranks[rp.rank] = rp
+        if rp.progress_seen is not None:  # as a beat files it: by phase, oldest first
+            phase, rp.phase = rp.phase, None
+            gen.progressed(rp, phase, rp.progress_seen)
         gen.report_interval(rp.rank, 0.3)
     return gen
 

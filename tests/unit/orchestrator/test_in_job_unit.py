@@ -15,10 +15,10 @@ from fakes import FakeClock, FakeLog, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.config import Config
-from orchestrator.protocol import RankInfo, RegisterRequest
-from orchestrator.state import Cause, NodeState
+from orchestrator.contracts.protocol import RankInfo, RegisterRequest
+from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor import recovery
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.progress import ProgressTracker

@@ -11,7 +11,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.jobview import JobView
 
 CASES = {"launch": 0}

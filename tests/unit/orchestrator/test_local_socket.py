@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.agent.local_socket import LocalHub
-from orchestrator.protocol import Heartbeat, RankInfo
+from orchestrator.contracts.protocol import Heartbeat, RankInfo
 from orchestrator.worker.sdk import Worker
 
 GOOD = {"t": "beat", "rank": 3, "pid": 1234, "generation": 2, "step": 7, "phase": "training",

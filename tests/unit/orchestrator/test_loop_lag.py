@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.config import Config
-from orchestrator.events import NodeStateChanged
-from orchestrator.protocol import RankInfo, RegisterRequest
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts.events import NodeStateChanged
+from orchestrator.contracts.protocol import RankInfo, RegisterRequest
+from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.deadlines import LoopLag, ServiceClock
 from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
 from orchestrator.supervisor.intake import Intake

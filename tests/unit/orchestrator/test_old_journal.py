@@ -12,7 +12,7 @@ from pathlib import Path
 
 from orchestrator.journal import SkipReport, read_journal
 from orchestrator.jobview import JobView
-from orchestrator.state import JobState
+from orchestrator.contracts.state import JobState
 
 OLD = Path(__file__).resolve().parents[2] / "data" / "run-v0.1"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from orchestrator.config.schema import ChaosConfig, KillSpec, RestartConfig
 from orchestrator.jobview import JobView
-from orchestrator.protocol import RegisterRequest
-from orchestrator.state import NodeState
-from orchestrator.chaos import ChaosDriver
+from orchestrator.contracts.protocol import RegisterRequest
+from orchestrator.contracts.state import NodeState
+from orchestrator.contracts.chaos import ChaosDriver
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import place
 from orchestrator.supervisor.policy import RestartPolicy

@@ -14,11 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.config import Config
 from orchestrator.journal import read_events
-from orchestrator.protocol import MAX_PROFILE_STEPS, ProfileRequest, RankInfo, RegisterRequest
-from orchestrator.state import JobState, NodeState
+from orchestrator.contracts.protocol import (
+    MAX_PROFILE_STEPS,
+    ProfileRequest,
+    RankInfo,
+    RegisterRequest,
+)
+from orchestrator.contracts.state import JobState, NodeState
 from orchestrator.status import build_status
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
-from orchestrator.protocol import MAX_PROFILE_STEPS
+from orchestrator.contracts.protocol import MAX_PROFILE_STEPS
 from orchestrator.worker.profiling import MAX_STEPS, BadOrder, ProfileOrder, ProfileSession
 from orchestrator.worker.sdk import Worker
 

@@ -9,7 +9,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.protocol import (
+from orchestrator.contracts.protocol import (
     EventBatch,
     HealthReport,
     Heartbeat,
@@ -212,7 +212,7 @@ def test_an_agent_drops_a_bad_step_record_not_the_beat() -> None:
 
 
 def test_the_operators_stop_request() -> None:
-    from orchestrator.protocol import StopRequest
+    from orchestrator.contracts.protocol import StopRequest
 
     stop = StopRequest.model_validate_json(b'{"reason": "orchestrator down", "checkpoint": false}')
     assert (stop.reason, stop.checkpoint) == ("orchestrator down", False)

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.auth import (
+from orchestrator.contracts.auth import (
     Principal,
     authenticate,
     bearer_of,
     is_node_credential,
     node_credential,
 )
-from orchestrator.protocol import EventBatch, Heartbeat, RegisterRequest
+from orchestrator.contracts.protocol import EventBatch, Heartbeat, RegisterRequest
 from orchestrator.supervisor.admission import (
     KnownNode,
     Limits,

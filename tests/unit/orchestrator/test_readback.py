@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import readback
-from orchestrator.steprecord import clean_record, parse_stored_line, read_steps
+from orchestrator.contracts import readback
+from orchestrator.contracts.steprecord import clean_record, parse_stored_line, read_steps
 from orchestrator.supervisor.recordgate import RecordGate
 
 

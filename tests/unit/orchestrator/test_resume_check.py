@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.console import describe
+from orchestrator.cli.console import describe
 from orchestrator.supervisor.resumes import ResumeCheck
 from orchestrator.worker.hook import StepCounter, optimizer_state_step
 

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from orchestrator.cli import views
 from orchestrator.config.loader import read_yaml, validate_data
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 from orchestrator.supervisor.core import Supervisor
 
 EXAMPLES = int(os.environ.get("RUN_DIR_FUZZ_EXAMPLES", "100"))

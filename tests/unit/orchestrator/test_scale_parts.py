@@ -12,12 +12,12 @@ from fakes import FakeClock, FakeLog, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.books import Books
 from orchestrator.config import Config
 from orchestrator.journal import read_events, read_journal
-from orchestrator.protocol import EventBatch, RankExit, RankInfo, RegisterRequest
-from orchestrator.state import Cause, NodeState
+from orchestrator.contracts.protocol import EventBatch, RankExit, RankInfo, RegisterRequest
+from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.deadlines import OldestFirst
 from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.intake import Intake

@@ -13,11 +13,11 @@ from fakes import FakeClock, FakeLog, make_context
 from prometheus_client import CollectorRegistry
 
 from orchestrator.config import Config
-from orchestrator.events import GenerationLaunched
+from orchestrator.contracts.events import GenerationLaunched
 from orchestrator.journal import read_events
 from orchestrator.jobview import JobView
-from orchestrator.rundir import RunDir
-from orchestrator.state import Cause
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.state import Cause
 from orchestrator.status import build_status
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry

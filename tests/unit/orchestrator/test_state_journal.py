@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.journal import Journal, SkipReport, read_events, read_journal
 from orchestrator.jobview import JobView
-from orchestrator.state import ALLOWED, IllegalTransition, JobState, check_transition
+from orchestrator.contracts.state import ALLOWED, IllegalTransition, JobState, check_transition
 
 
 def test_lifecycle_of_design_is_allowed() -> None:

@@ -17,8 +17,8 @@ from prometheus_client import generate_latest
 from orchestrator.config import Config
 from orchestrator.config.schema import StragglerConfig
 from orchestrator.journal import read_events
-from orchestrator.protocol import RankInfo, RegisterRequest
-from orchestrator.state import NodeState
+from orchestrator.contracts.protocol import RankInfo, RegisterRequest
+from orchestrator.contracts.state import NodeState
 from orchestrator.status import build_status
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stragglers import (

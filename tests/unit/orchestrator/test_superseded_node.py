@@ -10,13 +10,13 @@ from pathlib import Path
 
 from fakes import FakeClock, FakeLog, make_context
 
-from orchestrator import envcontract as ec
-from orchestrator import events as ev
+from orchestrator.contracts import env as ec
+from orchestrator.contracts import events as ev
 from orchestrator.config import Config
 from orchestrator.jobview import JobView
 from orchestrator.journal import read_journal
-from orchestrator.protocol import Heartbeat, RegisterRequest
-from orchestrator.state import NodeState
+from orchestrator.contracts.protocol import Heartbeat, RegisterRequest
+from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.generation import GenerationParts
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from fakes import FakeClock, FakeLog, make_context
 
-from orchestrator import events as ev
+from orchestrator.contracts import events as ev
 from orchestrator.config import Config
 from orchestrator.journal import read_events
-from orchestrator.protocol import RankExit, RanksStarted, RanksStopped, RankInfo, \
+from orchestrator.contracts.protocol import RankExit, RanksStarted, RanksStopped, RankInfo, \
     RegisterRequest, WorkerEvent
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.generation import TICK_S, GenerationParts
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.nodes import NODE_MOVES, IllegalNodeMove, NodeRegistry

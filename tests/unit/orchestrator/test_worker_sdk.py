@@ -8,7 +8,7 @@ import time
 import pytest
 
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
-from orchestrator.pace import StepPace
+from orchestrator.contracts.pace import StepPace
 from orchestrator.worker.sdk import Worker, WorkerContext
 
 

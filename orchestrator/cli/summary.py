@@ -7,7 +7,7 @@ from typing import Any
 
 from orchestrator.books import Ledger
 from orchestrator.jobview import JobView
-from orchestrator.rundir import RunDir
+from orchestrator.contracts.rundir import RunDir
 
 
 def build_summary(view: JobView, run: RunDir, ledger: Ledger | None = None) -> dict[str, Any]:

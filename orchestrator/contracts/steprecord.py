@@ -37,7 +37,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 
 # A heartbeat carries at most this many records; an agent with more pending sends them over
 # several beats (``orchestrator.agent``).

@@ -6,7 +6,7 @@ faults are injected into only accept a wrapper or a hook:
 - The supervisor's :class:`ChaosDriver` decides which injections are still due (each fires
   once per job, even across restarts of the supervisor) and hands a generation its
   :class:`ChaosPlan`, which travels to the ranks as ``ORCH_CHAOS`` (built and parsed by
-  ``orchestrator.envcontract``, parsed into this type before any of it is used).
+  ``orchestrator.contracts.env``, parsed into this type before any of it is used).
 - In a rank: :func:`arm_worker` hooks the worker SDK's step reports (a rank signals itself
   right after the step a kill names, so it lands on that exact step); :func:`start_exit_code`
   is the trainer's fail-at-start; :func:`wrap_loader` poisons batches (their loss scale),

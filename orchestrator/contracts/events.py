@@ -28,7 +28,7 @@ from pydantic import (
     ValidationError,
 )
 
-from orchestrator.state import Cause, JobState, NodeState
+from orchestrator.contracts.state import Cause, JobState, NodeState
 
 # Bounds: generous for what we write, small enough that no message can bloat the journal.
 Text = Annotated[str, StringConstraints(max_length=4096)]

@@ -8,7 +8,7 @@ its journal re-issues the same assignment and a running node carries on undistur
 
 Everything an agent sends is an ``Inbound`` model: strict types (no "5" for 5, no bool for an
 int), finite numbers, bounded strings and lists, closed sets of phases and signals, node ids of
-printable ASCII. Worker events are typed per name (``orchestrator.worker_events``). A message
+printable ASCII. Worker events are typed per name (``contracts.worker_events``). A message
 that does not fit is refused at the door with 422; nothing behind the API sees it.
 """
 
@@ -27,8 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.steprecord import Records, StepRecord, keep_valid_records
-from orchestrator.worker_events import (
+from orchestrator.contracts.steprecord import Records, StepRecord, keep_valid_records
+from orchestrator.contracts.worker_events import (
     FiniteFloat,
     ShortStr,
     Signal,
@@ -144,7 +144,7 @@ class Heartbeat(Inbound):
     generation: Generation | None = None
     free_port: Port | None = None
     ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
-    # Rank 0's step records (``orchestrator.steprecord``), at most MAX_RECORDS_PER_BEAT.
+    # Rank 0's step records (``orchestrator.contracts.steprecord``), at most MAX_RECORDS_PER_BEAT.
     records: Records = Field(default_factory=list)
 
 
@@ -179,7 +179,7 @@ class RanksStopped(Inbound):
 class WorkerEvent(Inbound):
     """An event a rank sent through the worker SDK (checkpoint committed, phase change...).
 
-    ``data`` is checked against the model of ``name`` (``orchestrator.worker_events``): a
+    ``data`` is checked against the model of ``name`` (``orchestrator.contracts.worker_events``): a
     ``checkpoint_committed`` without a valid step, or data that names the envelope's own
     fields (generation, rank, node_id, kind, seq, ts), is refused."""
 

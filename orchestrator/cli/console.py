@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import readback
+from orchestrator.contracts import readback
 
 # Tokens/s and the ETA are measured over this many recent step records (about 10-30 s of
 # the CPU demo): long enough to smooth a checkpoint stall, short enough to follow a restart.
@@ -139,9 +139,9 @@ class JobFollower:
         return self._journal.skipped + self._steps.skipped
 
     def poll(self) -> list[dict[str, Any]]:
-        """The journal's new events, each validated by its model (``orchestrator.events``) and
+        """The journal's new events, each validated by its model (``contracts.events``) and
         given back as its line's JSON object; a line no model accepts is counted, skipped."""
-        from orchestrator.events import parse_event, to_line_dict
+        from orchestrator.contracts.events import parse_event, to_line_dict
 
         events = []
         for raw in self._journal.read():

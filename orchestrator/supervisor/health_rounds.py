@@ -24,8 +24,8 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import events as ev
-from orchestrator.envcontract import JOB
+from orchestrator.contracts import events as ev
+from orchestrator.contracts.env import JOB
 from orchestrator.health import catalog
 from orchestrator.health.base import (
     CheckResult,
@@ -39,9 +39,9 @@ from orchestrator.extras import needs
 from orchestrator.health.context import SharedFsProbe, build_node_context
 from orchestrator.health.host import is_local, local_path
 from orchestrator.health.network import judge_network
-from orchestrator.protocol import HealthOrder, HealthReport
-from orchestrator.state import NodeState
-from orchestrator.supervisor.placement import _id_key
+from orchestrator.contracts.protocol import HealthOrder, HealthReport
+from orchestrator.contracts.state import NodeState
+from orchestrator.supervisor.placement import id_key
 
 if TYPE_CHECKING:
     from orchestrator.supervisor.context import JobContext
@@ -92,7 +92,7 @@ class HealthCoordinator:
         spare or a replacement is measured against the others, not alone.
         """
         usable = sorted((n for n in self.nodes.nodes.values() if n.usable),
-                        key=lambda n: _id_key(n.node_id))
+                        key=lambda n: id_key(n.node_id))
         fresh = [n for n in usable if n.node_id not in checked]
         if not fresh:
             return False
@@ -112,7 +112,7 @@ class HealthCoordinator:
             return
         self._retry_at = None
         nodes = self.nodes.nodes
-        again = [nodes[n] for n in sorted(self.excluded, key=_id_key)
+        again = [nodes[n] for n in sorted(self.excluded, key=id_key)
                  if n in nodes and nodes[n].state is NodeState.EXCLUDED]
         if again:
             await self.admit(again, level, peers=[n for n in nodes.values() if n.usable
@@ -165,7 +165,7 @@ class HealthCoordinator:
             healthy = [n for n in nodes if n.state is not NodeState.LOST and
                        not any(r.fatal_failure for r in results[n.node_id])]
             healthy = sorted(healthy + [p for p in peers or [] if p.usable],
-                             key=lambda n: _id_key(n.node_id))
+                             key=lambda n: id_key(n.node_id))
             for node_id, extra in (await self._network_stage(nonce, healthy, level)).items():
                 results.setdefault(node_id, []).extend(extra)
                 self._journal(nonce, extra)

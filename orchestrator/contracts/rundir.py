@@ -38,6 +38,22 @@ def make_private() -> None:
     os.umask(PRIVATE_UMASK)
 
 
+# Where each rank writes its Python stacks when asked (faulthandler on SIGUSR1, or py-spy
+# from its agent), and under which name: the SDK, the agent and the supervisor all use these.
+STACKS_DIR = "stacks"
+
+
+def stack_file_name(generation: int, rank: int) -> str:
+    """The file under ``stacks/`` that ``rank`` of ``generation`` writes its stacks to."""
+    return f"gen{generation:04d}-rank{rank:05d}.txt"
+
+
+def is_remote(url: str | None) -> bool:
+    """Whether ``url`` names an object store (``s3://``, ``gs://``...) rather than a local
+    path; a ``file://`` URL and a plain path are local."""
+    return bool(url) and "://" in url and not url.startswith("file://")
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
@@ -121,7 +137,7 @@ class RunDir:
 
     @property
     def stacks(self) -> Path:
-        return self.root / "stacks"
+        return self.root / STACKS_DIR
 
     @property
     def pid_file(self) -> Path:
@@ -174,7 +190,7 @@ class RunDir:
         os.replace(tmp, path)
 
     def read_supervisor_info(self) -> dict[str, Any] | None:
-        from orchestrator import readback
+        from orchestrator.contracts import readback
 
         try:
             return readback.read_object(self.supervisor_info, readback.SMALL)

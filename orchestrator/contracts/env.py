@@ -53,7 +53,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.chaos import ChaosPlan
+from orchestrator.contracts.chaos import ChaosPlan
 
 TOKEN = "ORCH_TOKEN"
 AGENT_SOCKET = "ORCH_AGENT_SOCKET"
@@ -158,7 +158,7 @@ def get_json_object(env: Mapping[str, str], name: str) -> dict[str, Any]:
 
 
 def get_chaos(env: Mapping[str, str], name: str = CHAOS) -> ChaosPlan:
-    """The generation's fault-injection plan (``orchestrator.chaos.ChaosPlan``)."""
+    """The generation's fault-injection plan (``orchestrator.contracts.chaos.ChaosPlan``)."""
     try:
         return ChaosPlan.parse(env.get(name, "") or "{}")
     except ValidationError as exc:

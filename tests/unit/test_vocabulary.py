@@ -1,0 +1,91 @@
+"""Each vocabulary the processes share is written once: a second definition drifts.
+
+These read the source (``ast``), so a copy that comes back fails here even before it
+disagrees with the first. Each check names the one module allowed to hold its definition.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("orchestrator", "trainer", "stability")
+
+
+@functools.cache
+def _trees() -> tuple[tuple[str, ast.AST], ...]:
+    return tuple((path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(encoding="utf-8")))
+                 for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py")))
+
+
+def _where(found: Callable[[ast.AST], bool]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for name, tree in _trees():
+        for node in ast.walk(tree):
+            if found(node):
+                out.setdefault(name, []).append(getattr(node, "lineno", 0))
+    return out
+
+
+def _text(node: ast.AST, text: str) -> bool:
+    return isinstance(node, ast.Constant) and node.value == text
+
+
+def _silent_threshold(node: ast.AST) -> bool:
+    # max(3 * <heartbeat interval>, ...): how long a rank may stay quiet before it is silent.
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+        and node.func.id == "max" and bool(node.args) and isinstance(node.args[0], ast.BinOp) \
+        and isinstance(node.args[0].op, ast.Mult) \
+        and any(_text(side, 3) for side in (node.args[0].left, node.args[0].right))
+
+
+def _remote_test(node: ast.AST) -> bool:
+    # "://" in <url> beside <url>.startswith("file://"): the question "is this URL remote?"
+    # (a bare "://" in <url> asks another one: is this a URL at all).
+    if not isinstance(node, ast.BoolOp):
+        return False
+    has_scheme = any(isinstance(v, ast.Compare) and _text(v.left, "://") for v in node.values)
+    local = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "startswith" and any(_text(a, "file://") for a in n.args)
+                for v in node.values for n in ast.walk(v))
+    return has_scheme and local
+
+
+def _stack_file(node: ast.AST) -> bool:
+    # <dir> / "stacks", or f"gen{...}-rank{...}.txt": where a rank's stacks are written.
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return _text(node.right, "stacks")
+    if isinstance(node, ast.JoinedStr):
+        parts = "".join(v.value for v in node.values if isinstance(v, ast.Constant)
+                        and isinstance(v.value, str))
+        return "-rank" in parts and parts.endswith(".txt")
+    return False
+
+
+def test_the_silent_threshold_is_computed_once():
+    assert set(_where(_silent_threshold)) == {"orchestrator/supervisor/hangs.py"}, \
+        "use orchestrator.supervisor.hangs.silent_after_s"
+
+
+def test_is_this_url_remote_is_written_once():
+    assert set(_where(_remote_test)) == {"orchestrator/contracts/rundir.py"}, \
+        "use orchestrator.contracts.rundir.is_remote"
+
+
+def test_the_stack_file_is_named_once():
+    assert set(_where(_stack_file)) == {"orchestrator/contracts/rundir.py"}, \
+        "use orchestrator.contracts.rundir.STACKS_DIR and stack_file_name"
+
+
+def test_the_checks_find_what_they_look_for():
+    # Each check recognises the form it forbids, so a pass above is not a check gone blind.
+    samples = {
+        _silent_threshold: "max(3 * cfg.heartbeat_interval_s, 1.0)",
+        _remote_test: '"://" in url and not url.startswith("file://")',
+        _stack_file: 'run_dir / "stacks"',
+    }
+    for check, source in samples.items():
+        assert any(check(n) for n in ast.walk(ast.parse(source))), source
+    assert any(_stack_file(n) for n in ast.walk(ast.parse('f"gen{g:04d}-rank{r:05d}.txt"')))
