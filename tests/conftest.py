@@ -17,8 +17,9 @@ from procs import TAG_VAR, kill_tagged
 
 
 # Workers for a whole-suite run (pytest-xdist). Most integration tests wait on their jobs'
-# subprocesses, so more workers than the CI machine's 2 cores pay; more than 4 made the
-# timing-bound tests (a hang found within N s) slower than their bounds allow.
+# subprocesses, so more workers than the CI machine's 2 cores may pay. Not settled yet: the
+# count must be the one under which the timing-bound tests (a hang found within N s) still
+# pass on the loaded 2-core machine (PYTEST_WORKERS=N to try another).
 WORKERS = 4
 
 
