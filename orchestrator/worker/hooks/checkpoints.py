@@ -115,9 +115,8 @@ class FrameworkCheckpoints:
         primary = self.store.primary
         url = primary.step_url(step)
         try:
-            trust = self.store.trust
             manifest = layout.build_manifest(
-                url, fs=primary.fs, key=trust.key if trust is not None else None, step=step,
+                url, fs=primary.fs, trust=self.store.trust, step=step,
                 tokens=tokens or 0, state_format=STATE_FORMAT, job=self.job,
                 blocking_s=round(blocking_s, 4), **self.meta, **meta)
             layout.write_manifest(url, manifest, primary.fs)
