@@ -1,7 +1,7 @@
 """What the agent takes from the job's config (sent at registration): parsed once, typed.
 
 The agent runs ranks in ``job.workdir`` (``{node_id}`` substituted), offers a rendezvous port
-from ``job.master_port`` / ``job.master_port_range`` (or any free port), tells ranks
+from ``job.master_port`` / ``job.master_port_range`` (else a free one below the ephemeral range), tells ranks
 torchrun's ``TORCHELASTIC_MAX_RESTARTS`` from ``restart.max_restarts``, and stops ranks with
 ``timeouts.stop_grace_s``, keeps the memory tier's files (``checkpoint.memory_*``), and
 stops its ranks when no supervisor has answered for ``timeouts.agent_lease_s`` (``lease``).
@@ -34,6 +34,33 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _free_in(low: int, high: int) -> int:
+    """A port of [low, high] free now, tried from a random start (nodes sharing a host
+    rarely pick the same)."""
+    span = high - low + 1
+    start = random.randrange(span)
+    for i in range(span):
+        port = low + (start + i) % span
+        if _bindable(port):
+            return port
+    return low + start  # none free now: the rendezvous reports the clash
+
+
+# Rendezvous ports are offered below the kernel's ephemeral range: a port the OS handed out
+# as free there can be taken by any outgoing connection on the host (another job's gloo
+# pairs, an HTTP client) before the rank binds it, and the rank then fails EADDRINUSE.
+_LOWEST_PORT = 20000
+
+
+def _below_ephemeral() -> tuple[int, int] | None:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (_LOWEST_PORT, low - 1) if low - 1 - _LOWEST_PORT >= 1000 else None
 
 
 def any_free_port() -> int:
@@ -99,12 +126,6 @@ class NodeConfig:
         if self.master_port is not None:
             return self.master_port
         if self.master_port_range is not None:
-            low, high = self.master_port_range
-            span = high - low + 1
-            start = random.randrange(span)
-            for i in range(span):
-                port = low + (start + i) % span
-                if _bindable(port):
-                    return port
-            return low + start  # none free now: the rendezvous reports the clash
-        return any_free_port()
+            return _free_in(*self.master_port_range)
+        below = _below_ephemeral()
+        return _free_in(*below) if below is not None else any_free_port()

@@ -70,7 +70,8 @@ class JobConfig(Section):
     )
     master_port: int | None = Field(
         None, ge=1, le=65535,
-        description="Fixed MASTER_PORT of the rendezvous (default: a free port per launch).",
+        description="Fixed MASTER_PORT of the rendezvous (default: a free port per launch, below "
+        "the kernel's ephemeral range).",
     )
     master_port_range: tuple[int, int] | None = Field(
         None,

@@ -75,3 +75,13 @@ def test_the_preload_directory_leads_pythonpath_once() -> None:
     assert first == f"{PRELOAD_DIR}:/a:/b"
     assert preload_pythonpath(first) == first
     assert (PRELOAD_DIR / "sitecustomize.py").exists()
+
+
+def test_the_default_offer_lies_below_the_ephemeral_range() -> None:
+    # A port the OS hands out as free (bind to 0) is in the ephemeral range, where any
+    # outgoing connection on the host may take it before the rank binds it (EADDRINUSE).
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    nc = NodeConfig.from_config(_cfg(), "n")
+    ports = {nc.free_port() for _ in range(50)}
+    assert all(20000 <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 1  # a random start: nodes sharing a host rarely offer the same
