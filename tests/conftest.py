@@ -14,8 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cpulock
 from procs import TAG_VAR, kill_tagged
-
 
 # Workers for a whole-suite run (pytest-xdist). Most integration tests wait on their jobs'
 # subprocesses, so more workers than the CI machine's 2 cores may pay. Not settled yet: the
@@ -62,6 +62,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _SESSION_TAG = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """A test, with the setup and teardown of its fixtures of every scope, runs while no
+    test runs ``alone`` (tests/cpulock.py). A test marked ``alone`` takes no share: its
+    module's fixture runs the measured part alone, and the test only reads the result."""
+    if item.get_closest_marker("alone"):
+        return (yield)
+    with cpulock.shared(item.config):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

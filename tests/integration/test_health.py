@@ -162,7 +162,10 @@ def test_waiting_for_a_bad_node_to_recover_then_running(tmp_path: Path,
     try:
         wait_for(lambda: any(e["kind"] == "node_state" and e["state"] == "excluded"
                              for e in journal(run)), 120, what="local-1 excluded")
-        time.sleep(3.0)  # at least one re-check fails while the directory is still broken
+        # At least one re-check fails while the directory is still broken.
+        wait_for(lambda: sum(1 for e in journal(run) if e["kind"] == "health_round"
+                             and e["failed"].get("local-1")) >= 2, 120,
+                 what="a failed re-check of local-1")
         broken.unlink()
         out, _ = proc.communicate(timeout=240)
     finally:

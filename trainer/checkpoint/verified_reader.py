@@ -19,6 +19,7 @@ key cannot run code: any other global is refused. Tensors and byte items load wi
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import pickle
 from collections.abc import Iterator
@@ -67,8 +68,22 @@ class Refused(ValueError):
     global outside the allow-list: nothing of it was loaded."""
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr`` as Python 3.11.0-3.11.4 pickles an enum member (``getattr(cls, name)``),
+    narrowed to a member of an allow-listed enum."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)
+            and (cls.__module__, cls.__qualname__) in ALLOWED_GLOBALS):
+        raise pickle.UnpicklingError(f"getattr on {cls!r}: only an allow-listed enum's member "
+                                     "may be named by name")
+    if not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"{cls.__qualname__} has no member {name!r}")
+    return cls.__members__[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in ALLOWED_GLOBALS or (
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)

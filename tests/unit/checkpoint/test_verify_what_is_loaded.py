@@ -188,6 +188,55 @@ def test_metadata_of_real_saves_passes_the_allow_list(tmp_path: Path) -> None:
     assert out["x"] == sd["x"]
 
 
+def test_enum_members_pickled_by_name_load_and_nothing_else_does() -> None:
+    """Python 3.11.0-3.11.4 (Debian bookworm's 3.11.2: the image) pickles an enum member as
+    ``getattr(cls, name)``: a DCP metadata saved there loads, and that ``getattr`` names only
+    an allow-listed enum's member."""
+    from torch.distributed.checkpoint.metadata import (
+        _MEM_FORMAT_ENCODING,
+        Metadata,
+        TensorProperties,
+    )
+
+    from trainer.checkpoint.verified_reader import Refused, load_metadata
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, _MEM_FORMAT_ENCODING):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    def dumps(obj: Any, pickler: type[pickle.Pickler] = ByName) -> bytes:
+        buf = io.BytesIO()
+        pickler(buf).dump(obj)
+        return buf.getvalue()
+
+    props = TensorProperties(memory_format=torch.channels_last)
+    meta = Metadata(state_dict_metadata={}, planner_data={"p": props})
+    raw = dumps(meta)
+    assert b"getattr" in raw
+    loaded = load_metadata(raw)
+    assert loaded.planner_data["p"].memory_format == torch.channels_last
+
+    class Abuse(pickle.Pickler):
+        def __init__(self, buf: io.BytesIO, target: Any) -> None:
+            super().__init__(buf)
+            self.target = target
+
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, _MEM_FORMAT_ENCODING):
+                return getattr, self.target
+            return NotImplemented
+
+    for target in [(Metadata, "__init__"), (_MEM_FORMAT_ENCODING, "__class__"),
+                   (_MEM_FORMAT_ENCODING, "mro"), (Path, "home"),
+                   (_MEM_FORMAT_ENCODING, 3)]:
+        buf = io.BytesIO()
+        Abuse(buf, target).dump(meta)
+        with pytest.raises(Refused):
+            load_metadata(buf.getvalue())
+
+
 def test_a_memory_copy_that_verifies_but_does_not_load_is_never_chosen_twice(
         tmp_path: Path) -> None:
     from test_memory_tier import KEY as MEMORY_KEY
