@@ -17,7 +17,10 @@ import yaml
 
 # Small and fast: a tiny model, short sequences, a checkpoint every 10 steps.
 FAST = {
-    "job": {"name": "t"},
+    # No pre-imported spare interpreters (the product's default): each would import torch
+    # once more per rank and job, seconds of the 2-core machine in every test. The tests of
+    # warm restarts and standbys turn them on.
+    "job": {"name": "t", "warm_start": False},
     "cluster": {"nodes": 2, "procs_per_node": 1},
     "trainer": {
         "steps": 40, "device": "cpu", "num_threads": 1, "log_every": 10, "param_norm_every": 5,

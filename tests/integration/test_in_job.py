@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 40
 IN_JOB = {"in_job": True}
+WARM = {"warm_start": True}  # the product's default: warm standbys replace dead ranks
 PREFIXES = ("app.model.", "app.optim.", "progress.", "data.", "schedule.")
 # Fast hang detection, as the hang tests have it: max(2 s, 3 x the largest step).
 HANG_TIMEOUTS = {"training_floor_s": 2.0, "training_multiplier": 3.0}
@@ -56,7 +57,7 @@ def check_final(run: Path, reference: dict) -> None:
 
 def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: Path,
                                                    reference: dict) -> None:
-    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        chaos={"kill": [{"step": 17, "rank": 1}]})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
@@ -89,7 +90,7 @@ def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: 
 
 def test_sigstop_hang_recovered_in_place(tmp_path: Path, dataset_dir: Path,
                                          reference: dict) -> None:
-    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        timeouts=HANG_TIMEOUTS,
                        chaos={"kill": [{"step": 23, "rank": 1, "signal": "SIGSTOP"}]})
     result = up(cfg, tmp_path / "run")
@@ -110,7 +111,7 @@ def test_memory_tier_rollback_picks_the_step_every_rank_holds(tmp_path: Path,
                                                               reference: dict) -> None:
     # A memory copy every step: the killed rank may die before its newest copy commits
     # while the survivor's has; the rollback takes the newest step both hold.
-    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        checkpoint={"memory_interval_steps": 1},
                        chaos={"kill": [{"step": 26, "rank": 1}]})
     result = up(cfg, tmp_path / "run")
@@ -128,7 +129,7 @@ def test_memory_tier_rollback_picks_the_step_every_rank_holds(tmp_path: Path,
 
 def test_a_standby_takes_over_twice_in_a_row(tmp_path: Path, dataset_dir: Path,
                                              reference: dict) -> None:
-    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        checkpoint={"memory_interval_steps": 2},
                        chaos={"kill": [{"step": 15, "rank": 1}, {"step": 31, "rank": 1}]})
     result = up(cfg, tmp_path / "run")
@@ -149,7 +150,7 @@ def test_a_standby_takes_over_twice_in_a_row(tmp_path: Path, dataset_dir: Path,
 def test_a_failed_in_place_recovery_falls_back_to_a_full_restart(tmp_path: Path,
                                                                  dataset_dir: Path,
                                                                  reference: dict) -> None:
-    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB,
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        chaos={"kill": [{"step": 17, "rank": 1}], "fail_rejoin_rank": 0})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]

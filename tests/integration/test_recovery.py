@@ -80,7 +80,8 @@ def test_one_crash_journal_state_sequence(tmp_path: Path, dataset_dir: Path) -> 
     cfg = write_config(tmp_path / "job.yaml", dataset_dir,
                        # Step 16: six steps after the save at 10, time enough for its
                        # commit (digests + signature, ~0.1-0.3 s here) before the kill.
-                       trainer={"steps": 25}, chaos={"kill": [{"step": 16, "rank": 1}]})
+                       trainer={"steps": 25}, chaos={"kill": [{"step": 16, "rank": 1}]},
+                       job={"warm_start": True})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
     assert states(tmp_path / "run") == [
