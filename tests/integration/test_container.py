@@ -62,10 +62,12 @@ def test_image_builds_and_runs_the_quickstart_job(tmp_path: Path) -> None:
     runs.chmod(0o777)  # the image's user (uid 1000) writes here
     name = f"orchestrator-test-{uuid.uuid4().hex[:8]}"
     # The Quickstart's job (the embedded configs/local.yaml: 2 simulated nodes, gloo, the
-    # tiny Llama), shortened to 100 steps with its kill at 60, after the checkpoint at 50.
+    # tiny Llama, in-job recovery), shortened to 40 steps with its kill at 28, after the
+    # checkpoint at 20.
     cmd = ["podman", "run", "--rm", "--name", name, "--network=none", "--timeout=900",
            "-v", f"{runs}:/home/orchestrator/runs", tag,
-           "orchestrator", "up", "--chaos-kill-at", "60", "--set", "trainer.steps=100"]
+           "orchestrator", "up", "--chaos-kill-at", "28", "--set", "trainer.steps=40",
+           "--set", "checkpoint.interval_steps=20"]
     t1 = time.monotonic()
     try:
         out = run_group(cmd, timeout=960, env=podman_env)
@@ -76,10 +78,10 @@ def test_image_builds_and_runs_the_quickstart_job(tmp_path: Path) -> None:
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     (run,) = [p for p in runs.iterdir() if p.is_dir() and p.name.startswith("local-")]
     st = status(run)
-    assert st["state"] == "COMPLETED" and st["last_step"] == 100, st
+    assert st["state"] == "COMPLETED" and st["last_step"] == 40, st
     assert [r["cause"] for r in st["restarts"]] == ["worker_exit"]
     assert sorted(st["nodes"]) == ["local-0", "local-1"]
-    assert [e["step"] for e in journal(run) if e["kind"] == "resumed"] == [50]
+    assert [e["step"] for e in journal(run) if e["kind"] == "resumed"] == [20]
     # Written by the image's non-root user.
     assert {p.stat().st_uid for p in run.rglob("*")} == {1000}
     assert os.stat(run / "events.jsonl").st_uid == 1000
