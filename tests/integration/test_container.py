@@ -45,6 +45,9 @@ def _require(*tools: str) -> None:
 
 
 @pytest.mark.slow
+# A cold build (no layer cached: a new machine, new requirements) installs torch and the
+# extras into the image: up to the build's own 1800 s on the loaded CI machine.
+@pytest.mark.timeout(1800 + 960 + 120)
 def test_image_builds_and_runs_the_quickstart_job(tmp_path: Path) -> None:
     _require("podman", "runc", "mmdebstrap")
     tag = "localhost/orchestrator:test"
