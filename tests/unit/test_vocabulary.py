@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
+
+from orchestrator.contracts import env as ec
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "trainer", "stability")
@@ -64,6 +67,31 @@ def _stack_file(node: ast.AST) -> bool:
     return False
 
 
+_ENV_NAME = re.compile(r"^ORCH_[A-Z0-9_]*$")  # a name, or the prefix names are built from
+_ENV_ASSIGNMENT = re.compile(r"\bORCH_[A-Z0-9_]*=")  # "ORCH_X=..." on a command line
+
+
+def _env_name(node: ast.AST) -> bool:
+    # An ORCH_* name spelled out. Prose that mentions one (a docstring, a help text) is no
+    # definition: it neither is a name alone nor assigns one.
+    if isinstance(node, ast.JoinedStr):
+        parts = [v.value for v in node.values if isinstance(v, ast.Constant)]
+        return any(_ENV_ASSIGNMENT.search(p) or p.endswith("ORCH_") for p in parts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) \
+        and bool(_ENV_NAME.match(node.value) or _ENV_ASSIGNMENT.search(node.value))
+
+
+def test_every_orch_variable_is_named_once():
+    assert set(_where(_env_name)) == {"orchestrator/contracts/env.py"}, \
+        "use the constant in orchestrator.contracts.env"
+
+
+def test_env_all_lists_every_variable():
+    names = {v for k, v in vars(ec).items() if k.isupper() and isinstance(v, str)
+             and v.startswith("ORCH_")}
+    assert set(ec.ALL) == names and len(ec.ALL) == len(names)
+
+
 def test_the_silent_threshold_is_computed_once():
     assert set(_where(_silent_threshold)) == {"orchestrator/supervisor/hangs.py"}, \
         "use orchestrator.supervisor.hangs.silent_after_s"
@@ -89,3 +117,8 @@ def test_the_checks_find_what_they_look_for():
     for check, source in samples.items():
         assert any(check(n) for n in ast.walk(ast.parse(source))), source
     assert any(_stack_file(n) for n in ast.walk(ast.parse('f"gen{g:04d}-rank{r:05d}.txt"')))
+    for source in ('env["ORCH_TLS_CA"]', 'f" ORCH_TLS_CA={ca}"', 'f"ORCH_{name}"',
+                   '"exec env ORCH_TOKEN=x agent"'):
+        assert any(_env_name(n) for n in ast.walk(ast.parse(source))), source
+    for source in ('"""Reads ORCH_CONFIG."""', '"(default: ORCH_TLS_CA)"'):
+        assert not any(_env_name(n) for n in ast.walk(ast.parse(source))), source
