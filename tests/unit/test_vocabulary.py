@@ -12,8 +12,10 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.config.schema import PhaseTimeouts
 from orchestrator.contracts import env as ec
 from orchestrator.contracts import events as ev
+from orchestrator.contracts import phases
 from orchestrator.contracts import worker_events as we
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,6 +124,16 @@ def test_worker_note_kinds_derive_from_the_worker_events():
     assert "params_digest" in we.KNOWN_NAMES and "params_digest" not in we.NOTE_NAMES
 
 
+def test_phase_names_are_listed_once():
+    assert set(_where(lambda n: _listed(n, set(phases.PHASES), 3))) \
+        == {"orchestrator/contracts/phases.py"}, "use orchestrator.contracts.phases"
+
+
+def test_every_phase_has_a_timeout():
+    assert set(PhaseTimeouts.model_fields) == set(phases.PHASES)
+    assert set(phases.BUSY_PHASES) <= set(phases.PHASES)
+
+
 def test_the_silent_threshold_is_computed_once():
     assert set(_where(_silent_threshold)) == {"orchestrator/supervisor/hangs.py"}, \
         "use orchestrator.supervisor.hangs.silent_after_s"
@@ -155,3 +167,5 @@ def test_the_checks_find_what_they_look_for():
     for source in ('{"resumed": 1, "startup": 2, "recovered": 3}',
                    'Literal["resumed", "startup", "worker_event"]'):
         assert any(_listed(n, _WORKER_EVENT_NAMES, 3) for n in ast.walk(ast.parse(source)))
+    assert any(_listed(n, set(phases.PHASES), 3)
+               for n in ast.walk(ast.parse('("loading", "compiling", "evaluating")')))
