@@ -17,6 +17,7 @@ from tenacity import (
 )
 
 from orchestrator.contracts.auth import is_node_credential, node_credential
+from orchestrator.contracts.env import TLS_CA
 from orchestrator.logs import redact
 
 
@@ -62,7 +63,7 @@ class SupervisorClient:
             token = node_credential(token, node_id)
         redact(token)
         self._headers = {"Authorization": f"Bearer {token}"}
-        self._ca_file = ca_file if ca_file is not None else os.environ.get("ORCH_TLS_CA")
+        self._ca_file = ca_file if ca_file is not None else os.environ.get(TLS_CA)
         self._session: aiohttp.ClientSession | None = None
 
     @property

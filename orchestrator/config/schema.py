@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.config.deploy import DeployConfig
+from orchestrator.contracts.env import CHECKPOINT_KEY
 from orchestrator.health.config import HealthConfig
 from stability.config import StabilityConfig
 from trainer.config import CheckpointConfig, FieldError, TrainerConfig, check_sections
@@ -96,7 +97,7 @@ class JobConfig(Section):
     def _no_secrets(cls, v: dict[str, str]) -> dict[str, str]:
         # The checkpoint signing key too (its *file*'s path, ORCH_CHECKPOINT_KEY_FILE, is fine).
         secret = [k for k in v if re.search(r"(SECRET|TOKEN|PASSWORD|AWS_ACCESS_KEY)", k, re.IGNORECASE)
-                  or k.upper() == "ORCH_CHECKPOINT_KEY"]
+                  or k.upper() == CHECKPOINT_KEY]
         if secret:
             raise ValueError(
                 f"secrets never come from the config file ({', '.join(sorted(secret))}); "

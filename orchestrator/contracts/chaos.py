@@ -27,12 +27,9 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from orchestrator.config.schema import ChaosConfig
 
 # A poisoned batch (chaos) scales its loss, hence its gradients, by this much: a gradient
 # explosion the stability detectors must catch, reproducible from the batch index alone.
@@ -99,7 +96,9 @@ class Injection:
 class ChaosDriver:
     """Which injections are due: each fires once per job (``fired`` comes from the journal)."""
 
-    def __init__(self, cfg: ChaosConfig, world_size: int, fired: set[str]) -> None:
+    def __init__(self, cfg: Any, world_size: int, fired: set[str]) -> None:
+        # cfg: the config's chaos section (orchestrator.config.schema.ChaosConfig), not
+        # imported even for its type: the config imports the contracts, not the reverse.
         self.cfg = cfg
         self.world_size = world_size
         self.fired = set(fired)

@@ -34,6 +34,9 @@ ORCH_HEALTH_OUT                agent           where the network check writes it
 ORCH_WARM_HANDOFF_TS           warm spare      wall time a spare was handed its rank
 ORCH_REPLACEMENT               agent           '1': the rank replaces a failed one in place
 ORCH_HOOK_PID                  preload hook    pid of the rank the hook serves (children skip)
+ORCH_MEMORY_DIR                agent           the node's memory-tier directory
+ORCH_TLS_CA                    launcher        CA bundle an agent verifies an https supervisor
+                                               with (default: the system's trust store)
 ORCH_CHECKPOINT_KEY            operator        checkpoint signing key itself (never journaled;
                                                agents only: ranks never see it)
 ORCH_CHECKPOINT_KEY_FILE       supervisor      path of the checkpoint signing key file
@@ -76,16 +79,18 @@ HEALTH_OUT = "ORCH_HEALTH_OUT"
 WARM_HANDOFF_TS = "ORCH_WARM_HANDOFF_TS"
 REPLACEMENT = "ORCH_REPLACEMENT"
 HOOK_PID = "ORCH_HOOK_PID"
-MEMORY_DIR = "ORCH_MEMORY_DIR"  # the node's memory-tier directory (the agent's to own)
+MEMORY_DIR = "ORCH_MEMORY_DIR"
 CHECKPOINT_KEY = "ORCH_CHECKPOINT_KEY"  # read by trainer.checkpoint.signing
 CHECKPOINT_KEY_FILE = "ORCH_CHECKPOINT_KEY_FILE"  # read by trainer.checkpoint.signing
 # Written into the agent pods by `orchestrator deploy kubernetes`; read by orchestrator.allocation.
 NODE_COUNT = "ORCH_NODE_COUNT"
+TLS_CA = "ORCH_TLS_CA"  # read by orchestrator.agent.client
 
+# Every name above; tests/unit/test_vocabulary.py keeps it complete.
 ALL = (TOKEN, AGENT_SOCKET, CONFIG, NODE_ID, HEARTBEAT_INTERVAL, RUN_DIR, JOB, GENERATION,
        CHECKPOINT_ROOT, SKIP_WINDOWS, LR_SCALE, RESUME_MAX_STEP, COLLECTIVE_TIMEOUT_S, CHAOS,
-       HEALTH_NET, HEALTH_OUT, WARM_HANDOFF_TS, HOOK_PID, CHECKPOINT_KEY,
-       CHECKPOINT_KEY_FILE, NODE_COUNT, LINEAGE)
+       IN_JOB_WAIT_S, HEALTH_NET, HEALTH_OUT, WARM_HANDOFF_TS, REPLACEMENT, HOOK_PID,
+       MEMORY_DIR, CHECKPOINT_KEY, CHECKPOINT_KEY_FILE, NODE_COUNT, LINEAGE, TLS_CA)
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 _MAX_LEN = 1 << 20  # a JSON value past 1 MiB in the environment is a bug, not a config

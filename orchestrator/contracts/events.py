@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from orchestrator.contracts.state import Cause, JobState, NodeState
+from orchestrator.contracts.worker_events import NoteKind
 
 # Bounds: generous for what we write, small enough that no message can bloat the journal.
 Text = Annotated[str, StringConstraints(max_length=4096)]
@@ -392,10 +393,7 @@ class WorkerNote(_OpenEvent):
     """A worker event with a known name and no fold of its own (resumed, startup, the
     checkpoint tier's reports...): its data travel as bounded JSON beside the rank."""
 
-    kind: Literal["resumed", "checkpoint_failed", "checkpoint_skipped", "checkpoint_fetched",
-                  "checkpoint_upload_retry", "checkpoint_upload_failed",
-                  "checkpoint_upload_skipped", "checkpoint_fenced", "stability_skip",
-                  "startup", "params_digest", "recovered", "recovery_failed", "worker_event"]
+    kind: NoteKind
     generation: Gen | None = None
     rank: Rank | None = None
     node_id: Name | None = None

@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from orchestrator.contracts.phases import PHASES, Phase
 from orchestrator.contracts.steprecord import Records, StepRecord, keep_valid_records
 from orchestrator.contracts.worker_events import (
     FiniteFloat,
@@ -36,11 +37,6 @@ from orchestrator.contracts.worker_events import (
     Timestamp,
     validate_worker_data,
 )
-
-# Phases a rank reports (the worker SDK's PHASES, plus ``finishing`` after the last step).
-Phase = Literal["init", "loading", "compiling", "training", "checkpointing", "evaluating",
-                "finishing"]
-PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 
 # A node id: printable ASCII, safe in a file name, a metric label and a terminal. (A
 # superscript digit passes ``str.isdigit`` but not ``int``; an escape code repaints a TTY.)

@@ -14,7 +14,7 @@ add one), never a nested value and never a reserved key.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -225,6 +225,17 @@ _MODELS: dict[str, type[EventData]] = {
     "recovery_failed": RecoveryFailed,
 }
 KNOWN_NAMES = frozenset(_MODELS)
+# Names the journal records as a note of that kind (``events.WorkerNote``): the events with no
+# journal event of their own. A rank's event of any other name that has no journal event of
+# its own (``params_digest``, a user script's) becomes a note of kind ``OTHER_NOTE`` that
+# keeps the name in its ``name`` field.
+NoteName = Literal["resumed", "checkpoint_failed", "checkpoint_skipped", "checkpoint_fetched",
+                   "checkpoint_upload_retry", "checkpoint_upload_failed",
+                   "checkpoint_upload_skipped", "checkpoint_fenced", "stability_skip",
+                   "startup", "recovered", "recovery_failed"]
+NOTE_NAMES = frozenset(get_args(NoteName))
+OTHER_NOTE = "worker_event"
+NoteKind = Literal[NoteName, "worker_event"]  # a note's kind: its name, or OTHER_NOTE
 # Events only rank 0 sends (it commits checkpoints and speaks for the restore): the journal
 # folds them into the job's view (the resume step, the newest checkpoint), so another rank's
 # would be a forgery.

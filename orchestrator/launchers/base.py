@@ -19,7 +19,7 @@ from typing import Any
 
 from orchestrator.contracts.auth import node_credential
 from orchestrator.config.schema import Config
-from orchestrator.contracts.env import token_env
+from orchestrator.contracts.env import TLS_CA, token_env
 from orchestrator.contracts.rundir import RunDir
 
 
@@ -53,7 +53,7 @@ class Launcher(abc.ABC):
         """The variables an agent gets from its launcher: its credential, the CA bundle."""
         env = token_env(spec.credential(node_id))
         if self.cfg.api.tls_ca:
-            env["ORCH_TLS_CA"] = self.cfg.api.tls_ca
+            env[TLS_CA] = self.cfg.api.tls_ca
         return env
 
     @abc.abstractmethod

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from orchestrator.contracts.env import TOKEN
+
 CONTAINER_ENTRYPOINT = ["orchestrator", "sagemaker", "host"]
 CONFIG_CHANNEL = "config"
 REDACTED = "***"
@@ -103,7 +105,7 @@ def training_job_request(spec: SubmitSpec, token: str) -> dict[str, Any]:
                            "InstanceCount": spec.instance_count,
                            "VolumeSizeInGB": spec.volume_gb},
         "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
-        "Environment": {"ORCH_TOKEN": token, "PYTHONUNBUFFERED": "1"},
+        "Environment": {TOKEN: token, "PYTHONUNBUFFERED": "1"},
     }
     if spec.checkpoint_s3 is not None:
         # SageMaker uploads /opt/ml/checkpoints to S3 as it changes and puts it back when a
@@ -115,7 +117,7 @@ def training_job_request(spec: SubmitSpec, token: str) -> dict[str, Any]:
 
 def redacted(request: dict[str, Any]) -> dict[str, Any]:
     """The request with the token hidden, for printing."""
-    env = {k: (REDACTED if k == "ORCH_TOKEN" else v)
+    env = {k: (REDACTED if k == TOKEN else v)
            for k, v in request.get("Environment", {}).items()}
     return {**request, "Environment": env}
 

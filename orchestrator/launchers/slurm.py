@@ -18,7 +18,7 @@ import shlex
 import shutil
 import subprocess
 
-from orchestrator.contracts.env import TOKEN
+from orchestrator.contracts.env import TLS_CA, TOKEN
 from orchestrator.contracts.events import AgentSpawned
 from orchestrator.launchers.base import (
     SAFE_PATH,
@@ -63,7 +63,7 @@ class SlurmLauncher(Launcher):
         env = {k: v for k, v in os.environ.items() if k != TOKEN}
         env.update(self.cfg.job.env)
         if self.cfg.api.tls_ca:
-            env["ORCH_TLS_CA"] = self.cfg.api.tls_ca
+            env[TLS_CA] = self.cfg.api.tls_ca
         spec.run_dir.agents.mkdir(parents=True, exist_ok=True)
         out = open(spec.run_dir.agents / f"{name}.srun.log", "ab")
         cmd = ["srun", "--export=ALL", "--kill-on-bad-exit=0", "--job-name=orchestrator-agent",

@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.contracts.env import TOKEN
+from orchestrator.contracts.env import TLS_CA, TOKEN
 from orchestrator.contracts.events import AgentSpawned
 from orchestrator.launchers.base import (
     SAFE_PATH,
@@ -103,7 +103,7 @@ class SSHLauncher(Launcher):
             "--run-dir", str(spec.run_dir.root),
             "--orphan-timeout", str(REMOTE_ORPHAN_TIMEOUT_S)])
         if self.cfg.api.tls_ca:
-            env_words += f" ORCH_TLS_CA={shlex.quote(self.cfg.api.tls_ca)}"
+            env_words += f" {TLS_CA}={shlex.quote(self.cfg.api.tls_ca)}"
         return (f"IFS= read -r {TOKEN} && export {TOKEN} && "
                 f"exec env {env_words} {agent}")
 

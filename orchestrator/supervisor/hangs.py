@@ -38,7 +38,8 @@ import collections
 from dataclasses import dataclass
 
 from orchestrator.config.schema import TimeoutsConfig
-from orchestrator.supervisor.progress import BUSY_PHASES, GenerationProgress, RankProgress
+from orchestrator.contracts.phases import BUSY_PHASES
+from orchestrator.supervisor.progress import GenerationProgress, RankProgress
 
 # A new calibration is journaled only when the timeout moves by more than this fraction,
 # so a job's journal gets a handful of these, not one per heartbeat.

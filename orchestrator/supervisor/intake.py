@@ -36,6 +36,7 @@ from orchestrator.contracts.protocol import (
     WorkerEvent,
 )
 from orchestrator.contracts.state import Cause, JobState, NodeState
+from orchestrator.contracts.worker_events import NOTE_NAMES, OTHER_NOTE
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.hangs import (
     Suspect,
@@ -412,10 +413,10 @@ class Intake:
                 self.ctx.record(ev.RestoreTier(node_id=node_id, **data, **where))
             elif msg.name == "memory_tier":
                 self.ctx.record(ev.MemoryTier(node_id=node_id, **data, **where))
-            elif msg.name in _PLAIN_WORKER_EVENTS:
+            elif msg.name in NOTE_NAMES:
                 self.ctx.record(ev.WorkerNote(kind=msg.name, node_id=node_id, **data, **where))
             else:
-                self.ctx.record(ev.WorkerNote(kind="worker_event", name=msg.name,
+                self.ctx.record(ev.WorkerNote(kind=OTHER_NOTE, name=msg.name,
                                               node_id=node_id, **data, **where))
                 if msg.name == RESUME_EVENT and isinstance(data.get("step"), int):
                     self._resumed(msg.generation, msg.rank, data["step"])
@@ -510,12 +511,6 @@ class Intake:
 # A failure lists this many other exits, suspects and stack files at most (at 2,048 x 8 a
 # stop's SIGTERMs are 16k "other exits"): the earliest, which are the ones that explain it.
 _MAX_LISTED = 256
-
-_PLAIN_WORKER_EVENTS = {"resumed", "checkpoint_failed", "checkpoint_skipped",
-                        "checkpoint_fetched", "checkpoint_upload_retry",
-                        "checkpoint_upload_failed", "checkpoint_upload_skipped",
-                        "checkpoint_fenced",
-                        "stability_skip", "startup", "recovered", "recovery_failed"}
 
 
 def _first_problem(exc: Exception) -> str:

@@ -20,13 +20,10 @@ from pathlib import Path
 from orchestrator.clock import Clock
 from orchestrator.contracts.events import Envelope, Event, FirstStep, Progress
 from orchestrator.contracts.pace import WARMUP_STEPS
+from orchestrator.contracts.phases import BUSY_PHASES
 from orchestrator.contracts.protocol import RankInfo
 from orchestrator.contracts.steprecord import StepRecord, encode_stored
 from orchestrator.supervisor.deadlines import OldestFirst
-
-
-# Phases in which a rank keeps its peers waiting for longer than a step, legitimately.
-BUSY_PHASES = ("loading", "compiling", "checkpointing", "evaluating")
 
 
 @dataclass

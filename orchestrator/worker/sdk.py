@@ -33,13 +33,9 @@ from orchestrator.contracts import env as ec
 from orchestrator.contracts.chaos import ChaosPlan
 from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
 from orchestrator.contracts.pace import StepPace
+from orchestrator.contracts.phases import PHASES
 from orchestrator.contracts.rundir import STACKS_DIR, stack_file_name
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
-
-# ``finishing``: past the last step (the final commit's wait, digests, teardown, exit), so the
-# calibrated training timeout, which is a few step intervals, never judges a rank there.
-PHASES = ("init", "loading", "compiling", "training", "checkpointing", "evaluating",
-          "finishing")
 
 # Steps the beat's step-time and data-wait summary averages over (the straggler detector's
 # input: recent enough to follow a change, long enough to smooth one slow step).

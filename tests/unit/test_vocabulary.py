@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
+import typing
 from collections.abc import Callable
 from pathlib import Path
+
+from orchestrator.config.schema import PhaseTimeouts
+from orchestrator.contracts import env as ec
+from orchestrator.contracts import events as ev
+from orchestrator.contracts import phases
+from orchestrator.contracts import worker_events as we
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("orchestrator", "trainer", "stability")
@@ -64,6 +72,68 @@ def _stack_file(node: ast.AST) -> bool:
     return False
 
 
+_ENV_NAME = re.compile(r"^ORCH_[A-Z0-9_]*$")  # a name, or the prefix names are built from
+_ENV_ASSIGNMENT = re.compile(r"\bORCH_[A-Z0-9_]*=")  # "ORCH_X=..." on a command line
+_WORKER_EVENT_NAMES = we.KNOWN_NAMES | we.NOTE_NAMES | {we.OTHER_NOTE}
+
+
+def _env_name(node: ast.AST) -> bool:
+    # An ORCH_* name spelled out. Prose that mentions one (a docstring, a help text) is no
+    # definition: it neither is a name alone nor assigns one.
+    if isinstance(node, ast.JoinedStr):
+        parts = [v.value for v in node.values if isinstance(v, ast.Constant)]
+        return any(_ENV_ASSIGNMENT.search(p) or p.endswith("ORCH_") for p in parts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) \
+        and bool(_ENV_NAME.match(node.value) or _ENV_ASSIGNMENT.search(node.value))
+
+
+def _listed(node: ast.AST, vocabulary: frozenset[str] | set[str], at_least: int) -> bool:
+    # A literal collection (or a Literal[...]) holding ``at_least`` names of the vocabulary: a
+    # list of them. Fewer side by side are a use (``kind in ("a", "b")``), not a definition.
+    if isinstance(node, (ast.Set, ast.List, ast.Tuple)):
+        items: list[ast.expr | None] = list(node.elts)
+    elif isinstance(node, ast.Dict):
+        items = list(node.keys)
+    else:
+        return False
+    return sum(isinstance(i, ast.Constant) and i.value in vocabulary for i in items) >= at_least
+
+
+def test_every_orch_variable_is_named_once():
+    assert set(_where(_env_name)) == {"orchestrator/contracts/env.py"}, \
+        "use the constant in orchestrator.contracts.env"
+
+
+def test_env_all_lists_every_variable():
+    names = {v for k, v in vars(ec).items() if k.isupper() and isinstance(v, str)
+             and v.startswith("ORCH_")}
+    assert set(ec.ALL) == names and len(ec.ALL) == len(names)
+
+
+def test_worker_event_names_are_listed_once():
+    assert set(_where(lambda n: _listed(n, _WORKER_EVENT_NAMES, 3))) \
+        == {"orchestrator/contracts/worker_events.py"}, \
+        "derive from orchestrator.contracts.worker_events (KNOWN_NAMES, NOTE_NAMES, NoteKind)"
+
+
+def test_worker_note_kinds_derive_from_the_worker_events():
+    note_kinds = typing.get_args(ev.WorkerNote.model_fields["kind"].annotation)
+    assert set(note_kinds) == we.NOTE_NAMES | {we.OTHER_NOTE}
+    assert we.RANK0_NAMES <= we.KNOWN_NAMES
+    # A name with a model of its own but no note kind is journaled under OTHER_NOTE.
+    assert "params_digest" in we.KNOWN_NAMES and "params_digest" not in we.NOTE_NAMES
+
+
+def test_phase_names_are_listed_once():
+    assert set(_where(lambda n: _listed(n, set(phases.PHASES), 3))) \
+        == {"orchestrator/contracts/phases.py"}, "use orchestrator.contracts.phases"
+
+
+def test_every_phase_has_a_timeout():
+    assert set(PhaseTimeouts.model_fields) == set(phases.PHASES)
+    assert set(phases.BUSY_PHASES) <= set(phases.PHASES)
+
+
 def test_the_silent_threshold_is_computed_once():
     assert set(_where(_silent_threshold)) == {"orchestrator/supervisor/hangs.py"}, \
         "use orchestrator.supervisor.hangs.silent_after_s"
@@ -89,3 +159,13 @@ def test_the_checks_find_what_they_look_for():
     for check, source in samples.items():
         assert any(check(n) for n in ast.walk(ast.parse(source))), source
     assert any(_stack_file(n) for n in ast.walk(ast.parse('f"gen{g:04d}-rank{r:05d}.txt"')))
+    for source in ('env["ORCH_TLS_CA"]', 'f" ORCH_TLS_CA={ca}"', 'f"ORCH_{name}"',
+                   '"exec env ORCH_TOKEN=x agent"'):
+        assert any(_env_name(n) for n in ast.walk(ast.parse(source))), source
+    for source in ('"""Reads ORCH_CONFIG."""', '"(default: ORCH_TLS_CA)"'):
+        assert not any(_env_name(n) for n in ast.walk(ast.parse(source))), source
+    for source in ('{"resumed": 1, "startup": 2, "recovered": 3}',
+                   'Literal["resumed", "startup", "worker_event"]'):
+        assert any(_listed(n, _WORKER_EVENT_NAMES, 3) for n in ast.walk(ast.parse(source)))
+    assert any(_listed(n, set(phases.PHASES), 3)
+               for n in ast.walk(ast.parse('("loading", "compiling", "evaluating")')))

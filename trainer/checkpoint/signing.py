@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from orchestrator.contracts import env as ec
 from orchestrator.contracts.rundir import is_remote
 
-KEY_ENV = "ORCH_CHECKPOINT_KEY"
-KEY_FILE_ENV = "ORCH_CHECKPOINT_KEY_FILE"
+KEY_ENV = ec.CHECKPOINT_KEY
+KEY_FILE_ENV = ec.CHECKPOINT_KEY_FILE
 KEY_FILE_NAME = "checkpoint.key"
 SIGNATURE = "signature"
 MAC = "hmac_sha256"
@@ -218,8 +219,8 @@ def default_key_path(root: str | None) -> Path:
     if root and not is_remote(root):
         local = root.removeprefix("file://") if "://" in root else os.path.expanduser(root)
         return Path(os.path.abspath(local)).parent / KEY_FILE_NAME
-    if os.environ.get("ORCH_RUN_DIR"):
-        return Path(os.environ["ORCH_RUN_DIR"]) / KEY_FILE_NAME
+    if os.environ.get(ec.RUN_DIR):
+        return Path(os.environ[ec.RUN_DIR]) / KEY_FILE_NAME
     return Path("~/.config/orchestrator").expanduser() / KEY_FILE_NAME
 
 
