@@ -134,9 +134,16 @@ def states(run_dir: Path) -> list[str]:
 
 
 def status(run_dir: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(run_dir), "--json"],
-                         capture_output=True, text=True, env=env(), timeout=60, check=True)
-    return json.loads(out.stdout)
+    """``orchestrator status RUN_DIR --json``, run in this process (typer's runner): the
+    same command without an interpreter's start-up, which tests call after most jobs. The
+    command's own process is tested in tests/integration/test_console_*.py."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    result = CliRunner().invoke(app, ["status", str(run_dir), "--json"])
+    assert result.exit_code == 0, f"status exited {result.exit_code}: {result.output[-2000:]}"
+    return json.loads(result.stdout)
 
 
 def final_state_dict(step_dir: Path) -> dict[str, Any]:
