@@ -67,11 +67,14 @@ _SESSION_TAG = pytest.StashKey[str]()
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """A test, with the setup and teardown of its fixtures of every scope, runs while no
-    test runs ``alone`` (tests/cpulock.py). A test marked ``alone`` takes no share: its
-    module's fixture runs the measured part alone, and the test only reads the result."""
-    if item.get_closest_marker("alone"):
+    test runs alone (tests/cpulock.py). A test marked ``alone`` (a bound measured in seconds
+    of a loaded machine) runs with no other test in flight. One marked ``alone_setup``
+    takes no share: its module's fixture runs the measured part alone, and the test only
+    reads the result."""
+    if item.get_closest_marker("alone_setup"):
         return (yield)
-    with cpulock.shared(item.config):
+    hold = cpulock.alone if item.get_closest_marker("alone") else cpulock.shared
+    with hold(item.config):
         return (yield)
 
 

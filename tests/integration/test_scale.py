@@ -27,7 +27,7 @@ import pytest
 from orchestrator.contracts import events as ev
 from orchestrator.journal import read_journal
 
-pytestmark = pytest.mark.alone
+pytestmark = pytest.mark.alone_setup
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PROCS, SPARES = 512, 8, 1
 # Beats every 2 s and a node lost after 20 s of silence: on the 2-core machine shared with
