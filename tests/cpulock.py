@@ -5,6 +5,8 @@ only wait longer for that; a test whose subject is how the supervisor keeps up w
 thousands of simulated ranks (``test_scale.py``) instead measures the other workers' load,
 and a healthy node of its generator goes silent. Such a test runs ``alone``: no other test of
 the run starts until it is done, and it starts only once the tests in flight are done.
+A test whose bound is seconds of the machine (a hang found within 3 x the step + 2 s) runs
+alone too.
 
 Two ``flock`` files of the run (named by xdist's run id, so two runs never wait on each
 other): every test holds ``cpu`` shared; ``alone`` holds it exclusively. Shared holders that
@@ -62,9 +64,9 @@ def shared(config: pytest.Config) -> Iterator[None]:
 
 @contextlib.contextmanager
 def alone(config: pytest.Config) -> Iterator[None]:
-    """The block runs with no other test of this run in flight. Not from inside a test that
-    holds ``shared`` (it would wait on itself): from a module-scoped fixture, which pytest
-    sets up before the test's own fixtures."""
+    """The block runs with no other test of this run in flight: a whole test (conftest's
+    ``alone`` marker), or a module fixture of tests that hold no share (``alone_setup``).
+    Never from inside a block that holds ``shared``: it would wait on itself."""
     paths = _paths(config)
     if paths is None:
         yield
