@@ -69,8 +69,8 @@ class Refused(ValueError):
 
 
 def _enum_member(cls: Any, name: Any) -> Any:
-    """``getattr`` as Python 3.11.0-3.11.4 pickles an enum member (``getattr(cls, name)``),
-    narrowed to a member of an allow-listed enum."""
+    """``getattr`` as some Python 3.11 releases (Debian bookworm's 3.11.2: the image) pickle
+    an enum member (``getattr(cls, name)``), narrowed to a member of an allow-listed enum."""
     if not (isinstance(cls, type) and issubclass(cls, enum.Enum)
             and (cls.__module__, cls.__qualname__) in ALLOWED_GLOBALS):
         raise pickle.UnpicklingError(f"getattr on {cls!r}: only an allow-listed enum's member "

@@ -189,7 +189,7 @@ def test_metadata_of_real_saves_passes_the_allow_list(tmp_path: Path) -> None:
 
 
 def test_enum_members_pickled_by_name_load_and_nothing_else_does() -> None:
-    """Python 3.11.0-3.11.4 (Debian bookworm's 3.11.2: the image) pickles an enum member as
+    """Debian bookworm's Python 3.11.2 (the image's) pickles an enum member as
     ``getattr(cls, name)``: a DCP metadata saved there loads, and that ``getattr`` names only
     an allow-listed enum's member."""
     from torch.distributed.checkpoint.metadata import (
