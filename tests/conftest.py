@@ -43,6 +43,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        _compile_the_product()
     if workerinput is not None and config.option.dist == "no":
         # A worker re-reads the command line, not the choice pytest_cmdline_main made in
         # the controller: the default parallel run is a loadgroup one (xdist reads this
@@ -62,6 +64,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _SESSION_TAG = pytest.StashKey[str]()
+
+
+def _compile_the_product() -> None:
+    """Write the product's bytecode once, before any job starts. Under
+    ``PYTHONDONTWRITEBYTECODE`` (set on the CI machine) Python writes no ``.pyc``, so each of
+    the suite's thousands of processes (ranks, agents, supervisors, CLI calls) would compile
+    the modules it imports again; ``compileall`` writes them regardless, and every process
+    then reads them (checked against the source's mtime and size, so an edit is never
+    stale)."""
+    import compileall
+
+    for package in ("orchestrator", "trainer", "stability"):
+        compileall.compile_dir(ROOT / package, quiet=1, workers=1)
 
 
 @pytest.hookimpl(wrapper=True)

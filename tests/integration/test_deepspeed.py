@@ -222,10 +222,12 @@ def test_a_rank_stuck_on_a_build_lock_is_a_hang_with_its_stack(tmp_path: Path,
                        job={"name": "t", "env": {"TORCH_EXTENSIONS_DIR": str(ext)}},
                        trainer={"steps": 5, "parallelism": {"strategy": "deepspeed",
                                                             "zero_stage": 1}},
-                       timeouts={"phases": {"init": 25}},
+                       # Above a loaded machine's imports: the CI run once saw a rank still
+                       # importing (stability's models) 25 s after its start.
+                       timeouts={"phases": {"init": 60}},
                        restart={"max_restarts": 0})
     run = tmp_path / "run"
-    result = up(cfg, run, timeout=240)
+    result = up(cfg, run, timeout=300)
     assert result.returncode != 0, result.stdout[-4000:]
     st = status(run)
     assert st["state"] == "FAILED", st
