@@ -115,6 +115,35 @@ def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def clean_fast_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> Path:
+    """One uninterrupted run of tests/jobs.py's FAST job, the reference of every bit-exact
+    comparison that uses that job as it is. Made once per pytest run, not per worker: the
+    first worker to ask runs it under a file lock in the run's shared temporary directory,
+    the others wait for it and read it. Tests only read it (``final_state_dict`` converts
+    elsewhere)."""
+    import fcntl
+    import shutil
+
+    from jobs import up, write_config
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    home = shared / "clean-fast"
+    with open(shared / "clean-fast.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (home / "done").exists():
+                shutil.rmtree(home, ignore_errors=True)  # a worker's attempt that failed
+                home.mkdir()
+                result = up(write_config(home / "job.yaml", dataset_dir), home / "run")
+                assert result.returncode == 0, result.stdout[-4000:]
+                (home / "done").touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return home / "run"
+
+
 @pytest.fixture(autouse=True)
 def _no_inherited_orchestrator_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # A test run from inside a rank (or a developer shell) must not leak worker settings.

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -151,10 +152,11 @@ def final_state_dict(step_dir: Path) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = step_dir.parent / (step_dir.name + ".pt")
-    dcp_to_torch_save(str(step_dir), str(out))
-    state = torch.load(out, weights_only=False)
-    out.unlink()
+    # Converted beside nothing it reads: the run may be shared by tests of other workers.
+    with tempfile.TemporaryDirectory(prefix="dcp-") as tmp:
+        out = Path(tmp) / (step_dir.name + ".pt")
+        dcp_to_torch_save(str(step_dir), str(out))
+        state = torch.load(out, weights_only=False)
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:

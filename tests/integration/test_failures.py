@@ -31,11 +31,9 @@ HANG_TIMEOUTS = {"training_floor_s": 2.0, "training_multiplier": 3.0}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> dict:
-    tmp = tmp_path_factory.mktemp("ref")
-    cfg = write_config(tmp / "job.yaml", dataset_dir)
-    assert up(cfg, tmp / "run").returncode == 0
-    return final_state_dict(tmp / "run" / "checkpoints" / "t" / "step-00000040")
+def reference(clean_fast_run: Path) -> dict:
+    """The final state of the FAST job run uninterrupted (shared by the session)."""
+    return final_state_dict(clean_fast_run / "checkpoints" / "t" / "step-00000040")
 
 
 def test_sigstop_is_a_hang_with_stacks_and_exact_resume(tmp_path: Path, dataset_dir: Path,

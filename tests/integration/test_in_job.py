@@ -33,11 +33,9 @@ HANG_TIMEOUTS = {"training_floor_s": 2.0, "training_multiplier": 3.0}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> dict:
-    tmp = tmp_path_factory.mktemp("ref")
-    cfg = write_config(tmp / "job.yaml", dataset_dir)
-    assert up(cfg, tmp / "run").returncode == 0
-    return final_state_dict(tmp / "run" / "checkpoints" / "t" / f"step-{STEPS:08d}")
+def reference(clean_fast_run: Path) -> dict:
+    """The final state of the FAST job run uninterrupted (shared by the session)."""
+    return final_state_dict(clean_fast_run / "checkpoints" / "t" / f"step-{STEPS:08d}")
 
 
 def pids(events: list[dict[str, Any]], generation: int) -> dict[int, int]:

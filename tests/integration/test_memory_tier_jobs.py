@@ -48,12 +48,9 @@ def memory_config(tmp: Path, dataset: Path, **extra: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> dict:
-    """The final state of an uninterrupted run with the memory tier off."""
-    tmp = tmp_path_factory.mktemp("clean")
-    result = up(write_config(tmp / "job.yaml", dataset_dir), tmp / "run")
-    assert result.returncode == 0, result.stdout[-4000:]
-    return final_state_dict(tmp / "run" / "checkpoints" / "t" / FINAL)
+def reference(clean_fast_run: Path) -> dict:
+    """The final state of the FAST job run uninterrupted (shared by the session)."""
+    return final_state_dict(clean_fast_run / "checkpoints" / "t" / FINAL)
 
 
 def tiers(run: Path) -> list[dict[str, Any]]:

@@ -22,13 +22,10 @@ STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def clean_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> Path:
-    """One uninterrupted run, the reference for bit-exact comparisons."""
-    tmp = tmp_path_factory.mktemp("clean")
-    cfg = write_config(tmp / "job.yaml", dataset_dir)
-    result = up(cfg, tmp / "run")
-    assert result.returncode == 0, result.stdout[-4000:]
-    return tmp / "run"
+def clean_run(clean_fast_run: Path) -> Path:
+    """One uninterrupted run, the reference for bit-exact comparisons (shared by the
+    session)."""
+    return clean_fast_run
 
 
 def test_uninterrupted_run_completes(clean_run: Path) -> None:
