@@ -24,8 +24,8 @@ from orchestrator.contracts.env import read_token
 from orchestrator.contracts.events import Envelope, Event
 from orchestrator.health.base import Level
 from orchestrator.supervisor.health_rounds import HealthCoordinator
-from orchestrator.jobview import JobView
-from orchestrator.journal import Journal, SkipReport, read_journal
+from orchestrator.journal.view import JobView
+from orchestrator.journal.store import Journal, SkipReport, read_journal
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
 from orchestrator.contracts.rundir import RunDir

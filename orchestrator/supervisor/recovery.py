@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import Config
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.hangs import silent_after_s
 from orchestrator.supervisor.nodes import NodeRegistry

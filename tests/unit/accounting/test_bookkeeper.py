@@ -9,9 +9,9 @@ import pytest
 from _accounting_script import Script
 from prometheus_client import CollectorRegistry
 
-from orchestrator.books import BADPUT_CATEGORIES, compute_books
+from orchestrator.journal.books import BADPUT_CATEGORIES, compute_books
 from orchestrator.contracts.rundir import RunDir
-from orchestrator.status import load_books
+from orchestrator.journal.status import load_books
 from orchestrator.supervisor.bookkeeper import BookKeeper, LineFollower
 from orchestrator.supervisor.metrics import SupervisorMetrics
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import __version__
-from orchestrator.books import BADPUT_CATEGORIES
+from orchestrator.journal.books import BADPUT_CATEGORIES
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.contracts.state import JobState, NodeState
 from orchestrator.supervisor.metrics import (

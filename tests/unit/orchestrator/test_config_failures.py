@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.config import load_config
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.supervisor.generation import own_python
 from orchestrator.supervisor.outcome import exit_reason
 from orchestrator.supervisor.policy import RestartPolicy

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.config.schema import RestartConfig, TimeoutsConfig
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.supervisor.generation import TICK_S
 from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.policy import RestartPolicy

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.contracts import events as ev
-from orchestrator.books import Books
+from orchestrator.journal.books import Books
 from orchestrator.config import Config
-from orchestrator.journal import read_events, read_journal
+from orchestrator.journal.store import read_events, read_journal
 from orchestrator.contracts.protocol import EventBatch, RankExit, RankInfo, RegisterRequest
 from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.deadlines import OldestFirst

@@ -13,7 +13,7 @@ from fakes import FakeClock, FakeLog, make_context
 
 from orchestrator.contracts import events as ev
 from orchestrator.config import Config
-from orchestrator.journal import read_events
+from orchestrator.journal.store import read_events
 from orchestrator.contracts.protocol import RankExit, RanksStarted, RanksStopped, RankInfo, \
     RegisterRequest, WorkerEvent
 from orchestrator.contracts.state import Cause, JobState, NodeState
