@@ -63,7 +63,7 @@ def test_a_line_past_the_bounds_is_dropped_not_held(tmp_path: Path) -> None:
 @settings(max_examples=FUZZ_CASES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(objs=st.lists(st.dictionaries(st.sampled_from(["kind", "step", "ts", "loss"]),
-                                     st.one_of(st.integers(), st.text(max_size=8), st.none()),
+                                     st.one_of(st.integers(-2**53, 2**53), st.text(max_size=8), st.none()),
                                      max_size=4), max_size=12),
        cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=10))
 def test_any_way_of_cutting_the_appends_reads_the_same_objects(
