@@ -15,7 +15,7 @@ from aiohttp import web
 
 from orchestrator.agent.agent import Agent
 from orchestrator.agent.ranks import EXIT_NOT_FOUND, Rank, RankSet, RankSetup, warm_module
-from orchestrator.agent.tasks import RootTaskFailed, RootTasks
+from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.config.schema import Config
 from orchestrator.contracts.protocol import Assignment
 
