@@ -28,6 +28,7 @@ from orchestrator.journal.view import JobView
 from orchestrator.journal.store import Journal, SkipReport, read_journal
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
+from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import Cause, JobState, NodeState, check_transition
 from orchestrator.supervisor.bookkeeper import BookKeeper
@@ -176,8 +177,8 @@ class Supervisor:
                       metrics=f"{self.url}/metrics")
         target = ScrapeTarget(self.cfg.metrics.targets_file, self.cfg.metrics.linger_s,
                               self.advertise_host, port)
-        books = asyncio.create_task(self.books.run(), name="books")
-        lag = asyncio.create_task(self.lag.run(), name="loop-lag")
+        roots = RootTasks({"books": self.books.run(), "loop-lag": self.lag.run()},
+                          owner="supervisor")
         try:
             if not self.view.job:
                 self._record_created()
@@ -199,10 +200,9 @@ class Supervisor:
             if self.view.state is JobState.PENDING:
                 self._refuse_misfit(allocation_mismatch(self.cfg, os.environ))
             if not self.view.state.terminal:
-                await self._drive()
+                await self._drive_beside(roots)
         finally:
-            books.cancel()
-            lag.cancel()
+            await roots.cancel()
             self.books.refresh()
             await self._shutdown()
             await target.retire(self.view.state.terminal)
@@ -212,6 +212,25 @@ class Supervisor:
             if self.leadership is not None and self.view.state.terminal:
                 await self.leadership.resign()
         return self.view.state
+
+    async def _drive_beside(self, roots: RootTasks) -> None:
+        """The template loop, with the root tasks supervised beside it: one that fails
+        (raises) stops the job's driving and the supervisor with its error, named, rather
+        than leaving the books or the loop-lag watch dead while the job goes on."""
+        drive = asyncio.create_task(self._drive(), name="supervisor:drive")
+        driven = asyncio.Event()
+        drive.add_done_callback(lambda _: driven.set())
+        try:
+            await roots.wait(driven)
+        except BaseException as exc:  # a root task failed, or this task was cancelled
+            if isinstance(exc, RootTaskFailed):
+                self.log.error("supervisor root task failed; stopping", task=exc.name,
+                               error=f"{type(exc.error).__name__}: {exc.error}",
+                               exc_info=exc.error)
+            drive.cancel()
+            await asyncio.wait([drive])
+            raise
+        await drive  # its result, or its error
 
     def _listen_port(self) -> int:
         if self.resumed:  # agents know the old URL: listen where they look
