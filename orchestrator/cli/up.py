@@ -266,7 +266,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        from orchestrator.supervisor.server import bind_host
+        from orchestrator.supervisor.gateway.server import bind_host
 
         console.print(f"[red]error[/red] cannot listen on {cfg.metrics.host or bind_host(cfg)}:"
                       f"{cfg.metrics.port}: the port is in use (set metrics.port, or 0 for a "

@@ -36,12 +36,12 @@ from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.deadlines import LoopLag
 from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.gcpolicy import long_lived_heap
-from orchestrator.supervisor.generation import GenerationParts
+from orchestrator.supervisor.generation.parts import GenerationParts
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.leader import Leadership
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.outcome import JobFailed, Outcome
+from orchestrator.supervisor.generation.outcome import JobFailed, Outcome
 from orchestrator.supervisor.policy import OperatorStop, RestartPolicy
 from orchestrator.supervisor.profiles import ProfileDesk
 from orchestrator.supervisor import recovery
@@ -165,7 +165,7 @@ class Supervisor:
             return await self._run()
 
     async def _run(self) -> JobState:
-        from orchestrator.supervisor.server import ApiServer
+        from orchestrator.supervisor.gateway.server import ApiServer
 
         server = ApiServer(self)
         port = await server.start(self.cfg.metrics.host, self._listen_port())

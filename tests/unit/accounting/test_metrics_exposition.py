@@ -60,7 +60,7 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     # One series per check of the health-check catalog.
     "orchestrator_health_check_failures": ("counter", {"check": CHECK_NAMES}),
     "orchestrator_supervisor_late_seconds": ("counter", {}),
-    # Stragglers (orchestrator.supervisor.stragglers): named now, and events by action.
+    # Stragglers (orchestrator.supervisor.generation.stragglers): named now, and events by action.
     "orchestrator_straggler_nodes": ("gauge", {}),
     "orchestrator_straggler_ranks": ("gauge", {}),
     "orchestrator_straggler_excess_seconds": ("gauge", {}),

@@ -21,7 +21,7 @@ from orchestrator.contracts.protocol import RankInfo, RegisterRequest
 from orchestrator.contracts.state import NodeState
 from orchestrator.journal.status import build_status
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.stragglers import (
+from orchestrator.supervisor.generation.stragglers import (
     StragglerDetector,
     StragglerWatch,
     median_without,

@@ -17,7 +17,7 @@ from orchestrator.journal.view import JobView
 from orchestrator.journal.store import read_journal
 from orchestrator.contracts.protocol import Heartbeat, RegisterRequest
 from orchestrator.contracts.state import NodeState
-from orchestrator.supervisor.generation import GenerationParts
+from orchestrator.supervisor.generation.parts import GenerationParts
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook

@@ -28,9 +28,9 @@ from orchestrator.contracts.protocol import (
     StopRequest,
 )
 from orchestrator.contracts.state import NodeState
-from orchestrator.supervisor import admission, beatwire
-from orchestrator.supervisor.beatlink import BeatLink
-from orchestrator.supervisor.httpbody import M, error, parse_body, read_body
+from orchestrator.supervisor.gateway import admission, beatwire
+from orchestrator.supervisor.gateway.beatlink import BeatLink
+from orchestrator.supervisor.gateway.httpbody import M, error, parse_body, read_body
 from orchestrator.supervisor.intake import UnknownNode
 from orchestrator.supervisor.profiles import ProfileRefused
 
