@@ -14,8 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from orchestrator.config import Config
-from orchestrator.jobview import JobView
-from orchestrator.journal import Journal, read_journal
+from orchestrator.journal.view import JobView
+from orchestrator.journal.store import Journal, read_journal
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.metrics import SupervisorMetrics

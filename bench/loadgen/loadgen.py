@@ -53,7 +53,7 @@ from loadgen_http import Conn
 from loadgen_phases import phase_report
 
 from orchestrator.contracts import events as ev
-from orchestrator.journal import read_journal
+from orchestrator.journal.store import read_journal
 from orchestrator.contracts.state import NodeState
 
 FAULTS = ("crash", "hang", "node_lost")

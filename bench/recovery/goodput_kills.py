@@ -69,7 +69,7 @@ def command(config: str | None, sets: list[str], run: Path) -> list[str]:
 
 def report_of(name: str, run: Path, wall: float, rc: int | None) -> dict[str, Any]:
     from orchestrator.contracts.rundir import RunDir
-    from orchestrator.status import load_view
+    from orchestrator.journal.status import load_view
     from orchestrator.cli.summary import build_summary
 
     events = _events(run)

@@ -46,7 +46,7 @@ def measure(nodes: int, ppn: int, rounds: int) -> dict[str, Any]:
     from orchestrator.supervisor.core import Supervisor
 
     try:  # the server's own parse: straight from bytes, bounded depth (a tree that has it)
-        from orchestrator.supervisor import admission  # noqa: F401
+        from orchestrator.supervisor.gateway import admission  # noqa: F401
 
         def parse(body: bytes) -> Any:
             return Heartbeat.model_validate_json(body, context={"max_json_depth": 32})

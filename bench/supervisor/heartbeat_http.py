@@ -45,7 +45,7 @@ def serve(loop: str, nodes: int, report_fd: int) -> None:
     from orchestrator.contracts.protocol import RegisterRequest
     from orchestrator.contracts.rundir import RunDir
     from orchestrator.supervisor.core import Supervisor
-    from orchestrator.supervisor.server import ApiServer
+    from orchestrator.supervisor.gateway.server import ApiServer
 
     cfg = load_config(None, [f"cluster.nodes={nodes}", f"cluster.procs_per_node={PPN}",
                              "launcher.kind=kubernetes", "job.name=bench"])

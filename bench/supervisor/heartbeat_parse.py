@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import header, write  # noqa: E402
 from orchestrator.contracts.protocol import Assignment, Heartbeat  # noqa: E402
-from orchestrator.supervisor.admission import Limits, check_heartbeat  # noqa: E402
+from orchestrator.supervisor.gateway.admission import Limits, check_heartbeat  # noqa: E402
 
 
 # -- before: the models as they were (json.loads, then a non-strict model_validate) ------------

@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from orchestrator.supervisor.generation import written_since
+from orchestrator.supervisor.generation.parts import written_since
 
 _CHUNK = 1024
 _WRITER = ("import sys\nfrom pathlib import Path\nd = Path(sys.argv[1])\n"

@@ -28,7 +28,7 @@ from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.memory import NodeMemory
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup
-from orchestrator.agent.tasks import RootTaskFailed, RootTasks
+from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.agent.warm import SpareKind, WarmPool
 from orchestrator.logs import get_logger
 from orchestrator.contracts.protocol import (

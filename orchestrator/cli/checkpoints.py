@@ -94,7 +94,7 @@ def run_checkpoint_roots(target: Path) -> list[str] | None:
     """The job checkpoint roots (``<root>/<job>``, every tier) of a run directory, or None
     when ``target`` is not one (a checkpoint root is listed as it is)."""
     from orchestrator.contracts.rundir import RunDir
-    from orchestrator.status import load_view
+    from orchestrator.journal.status import load_view
 
     if not (target / "events.jsonl").is_file():
         return None

@@ -15,10 +15,10 @@ from rich.console import Console
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.cli.liveness import api_ssl_context, pid_alive, resume_command
 from orchestrator.contracts.env import TOKEN, read_token
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import JobState
-from orchestrator.status import last_step_record, load_view
+from orchestrator.journal.status import last_step_record, load_view
 
 console = Console(stderr=True)
 _TERMINAL = frozenset(s.value for s in JobState if s.terminal)

@@ -21,7 +21,7 @@ from orchestrator.config import Config, ConfigError, load_config
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.contracts.rundir import RunDir
-from orchestrator.status import load_view
+from orchestrator.journal.status import load_view
 
 out = Console()
 err = Console(stderr=True)

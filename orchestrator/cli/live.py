@@ -170,7 +170,7 @@ class ConsoleView:
 
 def _goodput(root: Path) -> float | None:
     from orchestrator.contracts.rundir import RunDir
-    from orchestrator.status import load_books
+    from orchestrator.journal.status import load_books
 
     try:
         return load_books(RunDir(root)).goodput

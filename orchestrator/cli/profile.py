@@ -15,7 +15,7 @@ from orchestrator.cli.control import resolve_run_dir
 from orchestrator.cli.liveness import api_ssl_context, resume_command
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.contracts.rundir import RunDir
-from orchestrator.status import load_view, profile_summary
+from orchestrator.journal.status import load_view, profile_summary
 
 console = Console(stderr=True)
 out = Console()

@@ -58,7 +58,7 @@ async def lead(cfg: Config, run: RunDir, resumed: bool, standby: bool,
     await leadership.campaign()
     leadership.start_keeping()
     if standby and _has_job(run):
-        from orchestrator.status import load_view
+        from orchestrator.journal.status import load_view
 
         # The run's own config, as `up --resume` takes it (the standby's copy may differ).
         cfg = validate_data(read_yaml(run.config), str(run.config))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.books import Ledger
-from orchestrator.jobview import JobView
+from orchestrator.journal.books import Ledger
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.rundir import RunDir
 
 
 def build_summary(view: JobView, run: RunDir, ledger: Ledger | None = None) -> dict[str, Any]:
     """The summary of a run; ``ledger`` defaults to the books rebuilt from ``run``."""
-    from orchestrator.status import last_step_record, load_books
+    from orchestrator.journal.status import last_step_record, load_books
 
     last = last_step_record(run) or {}
     books = ledger or load_books(run, now=view.ended_ts or view.last_ts)

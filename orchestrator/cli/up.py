@@ -109,7 +109,7 @@ def _resume_refusal(run: RunDir, cfg: Config) -> str | None:
 
     A stopped job's supervisor journals STOPPED, then tells its agents to exit and waits
     for them: a resume right after ``down`` (or Ctrl-C) waits for that process to end."""
-    from orchestrator.status import load_view
+    from orchestrator.journal.status import load_view
 
     alive = supervisor_liveness(run)
     if not alive.running:
@@ -148,7 +148,7 @@ def _new_run_dir(cfg: Config, run_dir: Path | None) -> RunDir:
 
 def _taken_run_dir(run: RunDir) -> str:
     """What to do with a run directory that already holds a job, by the job's state."""
-    from orchestrator.status import load_view
+    from orchestrator.journal.status import load_view
 
     state = load_view(run).state
     alive = supervisor_liveness(run)
@@ -266,7 +266,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        from orchestrator.supervisor.server import bind_host
+        from orchestrator.supervisor.gateway.server import bind_host
 
         console.print(f"[red]error[/red] cannot listen on {cfg.metrics.host or bind_host(cfg)}:"
                       f"{cfg.metrics.port}: the port is in use (set metrics.port, or 0 for a "
@@ -275,7 +275,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
     if log_format is LogFormat.JSON:  # stdout stays JSON lines: the summary is one more
         import json
 
-        from orchestrator.status import load_view
+        from orchestrator.journal.status import load_view
         from orchestrator.cli.summary import build_summary
 
         print(json.dumps({"event": "summary", "run_dir": str(run.root),
@@ -288,7 +288,7 @@ def _foreground(cfg: Config, run: RunDir, resumed: bool,
 
 
 def _say_resuming(run: RunDir, log_format: LogFormat) -> None:
-    from orchestrator.status import load_view
+    from orchestrator.journal.status import load_view
 
     view = load_view(run)
     if log_format is LogFormat.JSON:

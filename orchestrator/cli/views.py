@@ -17,7 +17,7 @@ from orchestrator.cli.liveness import Liveness, resume_command
 from orchestrator.cli.liveness import check as supervisor_liveness
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import JobState
-from orchestrator.status import build_status, load_view
+from orchestrator.journal.status import build_status, load_view
 from orchestrator.cli.summary import build_summary
 from orchestrator.textsafe import shown
 

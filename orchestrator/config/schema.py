@@ -326,7 +326,7 @@ class RestartConfig(Section):
 
 
 class StragglerConfig(Section):
-    """Naming a rank or node persistently slower than its peers (``supervisor.stragglers``)."""
+    """Naming a rank or node persistently slower than its peers (``supervisor.generation.stragglers``)."""
 
     enabled: bool = Field(True, description="Compare the ranks' step times and data waits.")
     margin: float = Field(

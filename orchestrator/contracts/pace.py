@@ -1,7 +1,7 @@
 """A rank's step pace: the one number that calibrates its hang timeout.
 
 The supervisor's training timeout is ``max(floor, training_multiplier x pace)``
-(``supervisor.hangs``). The pace must cover every step interval a healthy rank will take
+(``supervisor.generation.hangs``). The pace must cover every step interval a healthy rank will take
 again, and nothing that will not recur; the worker SDK measures it (every rank, with the SDK,
 a framework hook or only the preload hook's optimizer-step count) and the supervisor reads
 it from the beats (``interval_max``). Two rules keep a slow step that does not recur from

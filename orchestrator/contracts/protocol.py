@@ -105,7 +105,7 @@ class RankInfo(Inbound):
     progress: Literal["sdk", "hook"] | None = None
     finished: bool = False  # the rank sent its last beat (worker SDK shutdown): tearing down
     # The rank's recent steps, summarized by the worker SDK (means over its last steps): the
-    # straggler detector compares them across ranks (``supervisor.stragglers``).
+    # straggler detector compares them across ranks (``supervisor.generation.stragglers``).
     step_time: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)] | None = None
     data_wait: Annotated[float, Field(ge=0, le=MAX_STEP_INTERVAL_S)] | None = None
     # The rank can rejoin a new generation in place (it enabled in-job recovery).

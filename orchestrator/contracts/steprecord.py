@@ -15,7 +15,7 @@ the stability detectors and the books; the same model checks it at admission and
   finite float, an integer within ``+-2**53``, a bool, null or a string of <= 256 characters.
 
 Which records the supervisor accepts (from whom, for which generation, how many) is the
-admission's rule (``supervisor.admission``, ``supervisor.recordgate``).
+admission's rule (``supervisor.gateway.admission``, ``supervisor.recordgate``).
 """
 
 from __future__ import annotations

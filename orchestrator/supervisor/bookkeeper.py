@@ -1,6 +1,6 @@
 """The supervisor's side of the books: follow the run directory's files, export the ledger.
 
-The books (``orchestrator.books``) are rebuilt from the journal and ``steps.jsonl``, never
+The books (``orchestrator.journal.books``) are rebuilt from the journal and ``steps.jsonl``, never
 from the supervisor's memory, so a restarted supervisor gets the same books as the one that
 died. ``BookKeeper`` follows both files from where it last stopped reading (each line is read
 once), so a refresh costs only the new lines plus a snapshot.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.contracts import readback
-from orchestrator.books import Books, Ledger
+from orchestrator.journal.books import Books, Ledger
 from orchestrator.clock import Clock
 from orchestrator.contracts.events import Envelope, parse_event
 from orchestrator.logs import get_logger
@@ -149,7 +149,7 @@ class BookKeeper:
 
     async def run(self, every_s: float = REFRESH_S) -> None:
         """Refresh every ``every_s`` until cancelled."""
-        log = get_logger("orchestrator.books")
+        log = get_logger("orchestrator.journal.books")
         while True:
             await asyncio.sleep(every_s)
             try:

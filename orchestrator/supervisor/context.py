@@ -13,7 +13,7 @@ from typing import Any
 from orchestrator.clock import Clock
 from orchestrator.config import Config
 from orchestrator.contracts.events import Envelope, Event
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.recorder import Recorder

@@ -24,10 +24,11 @@ from orchestrator.contracts.env import read_token
 from orchestrator.contracts.events import Envelope, Event
 from orchestrator.health.base import Level
 from orchestrator.supervisor.health_rounds import HealthCoordinator
-from orchestrator.jobview import JobView
-from orchestrator.journal import Journal, SkipReport, read_journal
+from orchestrator.journal.view import JobView
+from orchestrator.journal.store import Journal, SkipReport, read_journal
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
+from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import Cause, JobState, NodeState, check_transition
 from orchestrator.supervisor.bookkeeper import BookKeeper
@@ -35,12 +36,12 @@ from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.deadlines import LoopLag
 from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.gcpolicy import long_lived_heap
-from orchestrator.supervisor.generation import GenerationParts
+from orchestrator.supervisor.generation.parts import GenerationParts
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.leader import Leadership
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.outcome import JobFailed, Outcome
+from orchestrator.supervisor.generation.outcome import JobFailed, Outcome
 from orchestrator.supervisor.policy import OperatorStop, RestartPolicy
 from orchestrator.supervisor.profiles import ProfileDesk
 from orchestrator.supervisor import recovery
@@ -164,7 +165,7 @@ class Supervisor:
             return await self._run()
 
     async def _run(self) -> JobState:
-        from orchestrator.supervisor.server import ApiServer
+        from orchestrator.supervisor.gateway.server import ApiServer
 
         server = ApiServer(self)
         port = await server.start(self.cfg.metrics.host, self._listen_port())
@@ -176,8 +177,8 @@ class Supervisor:
                       metrics=f"{self.url}/metrics")
         target = ScrapeTarget(self.cfg.metrics.targets_file, self.cfg.metrics.linger_s,
                               self.advertise_host, port)
-        books = asyncio.create_task(self.books.run(), name="books")
-        lag = asyncio.create_task(self.lag.run(), name="loop-lag")
+        roots = RootTasks({"books": self.books.run(), "loop-lag": self.lag.run()},
+                          owner="supervisor")
         try:
             if not self.view.job:
                 self._record_created()
@@ -199,10 +200,9 @@ class Supervisor:
             if self.view.state is JobState.PENDING:
                 self._refuse_misfit(allocation_mismatch(self.cfg, os.environ))
             if not self.view.state.terminal:
-                await self._drive()
+                await self._drive_beside(roots)
         finally:
-            books.cancel()
-            lag.cancel()
+            await roots.cancel()
             self.books.refresh()
             await self._shutdown()
             await target.retire(self.view.state.terminal)
@@ -212,6 +212,25 @@ class Supervisor:
             if self.leadership is not None and self.view.state.terminal:
                 await self.leadership.resign()
         return self.view.state
+
+    async def _drive_beside(self, roots: RootTasks) -> None:
+        """The template loop, with the root tasks supervised beside it: one that fails
+        (raises) stops the job's driving and the supervisor with its error, named, rather
+        than leaving the books or the loop-lag watch dead while the job goes on."""
+        drive = asyncio.create_task(self._drive(), name="supervisor:drive")
+        driven = asyncio.Event()
+        drive.add_done_callback(lambda _: driven.set())
+        try:
+            await roots.wait(driven)
+        except BaseException as exc:  # a root task failed, or this task was cancelled
+            if isinstance(exc, RootTaskFailed):
+                self.log.error("supervisor root task failed; stopping", task=exc.name,
+                               error=f"{type(exc.error).__name__}: {exc.error}",
+                               exc_info=exc.error)
+            drive.cancel()
+            await asyncio.wait([drive])
+            raise
+        await drive  # its result, or its error
 
     def _listen_port(self) -> int:
         if self.resumed:  # agents know the old URL: listen where they look

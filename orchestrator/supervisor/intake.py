@@ -38,7 +38,7 @@ from orchestrator.contracts.protocol import (
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.contracts.worker_events import NOTE_NAMES, OTHER_NOTE
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.hangs import (
+from orchestrator.supervisor.generation.hangs import (
     Suspect,
     TrainingTimeout,
     any_overdue,
@@ -46,13 +46,13 @@ from orchestrator.supervisor.hangs import (
     silent_after_s,
 )
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
-from orchestrator.supervisor.outcome import Outcome, exit_reason
+from orchestrator.supervisor.generation.outcome import Outcome, exit_reason
 from orchestrator.supervisor.placement import Placement
-from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.generation.progress import ProgressTracker
 from orchestrator.supervisor.recordgate import RecordGate
 from orchestrator.supervisor.resumes import RESUME_EVENT, ResumeCheck
 from orchestrator.supervisor.stability import StabilityHook
-from orchestrator.supervisor.stragglers import StragglerWatch
+from orchestrator.supervisor.generation.stragglers import StragglerWatch
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ heartbeats. Names carry the ``orchestrator_`` prefix and base units, counters en
 never sees a hole before the first event of its kind. Things that happen between two scrapes (a one-step
 gradient spike, a NaN loss on a skipped step) are counted, not only shown in a gauge.
 
-The goodput books are computed elsewhere (``orchestrator.books``) and pushed in through
+The goodput books are computed elsewhere (``orchestrator.journal.books``) and pushed in through
 ``set_books``; a restarted supervisor replays the journal through ``on_event`` and the step
 records through ``on_record`` so its counters carry on where the dead one left them.
 """
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from orchestrator import __version__
 from orchestrator.contracts import events as ev
-from orchestrator.books import BADPUT_CATEGORIES
+from orchestrator.journal.books import BADPUT_CATEGORIES
 from orchestrator.contracts.events import Envelope, as_envelope
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.contracts.state import Cause, JobState, NodeState

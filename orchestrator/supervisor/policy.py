@@ -18,9 +18,9 @@ from types import SimpleNamespace
 from tenacity import wait_exponential
 
 from orchestrator.config.schema import RestartConfig
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.state import Cause
-from orchestrator.supervisor.outcome import exit_reason
+from orchestrator.supervisor.generation.outcome import exit_reason
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from orchestrator.contracts.events import Envelope, Event
-from orchestrator.jobview import JobView
-from orchestrator.journal import Journal
+from orchestrator.journal.view import JobView
+from orchestrator.journal.store import Journal
 from orchestrator.supervisor.metrics import SupervisorMetrics
 
 

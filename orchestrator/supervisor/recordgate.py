@@ -1,6 +1,6 @@
 """Which of rank 0's step records the supervisor takes: each step once, at a bounded rate.
 
-Admission (``supervisor.admission``) decides who may send records at all: the node holding
+Admission (``supervisor.gateway.admission``) decides who may send records at all: the node holding
 rank 0, for the current generation. What such a node sends is then taken here, in order:
 
 - steps only move forward within a generation: a record whose step is not past the last one

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import Config
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.state import Cause, NodeState
-from orchestrator.supervisor.hangs import silent_after_s
+from orchestrator.supervisor.generation.hangs import silent_after_s
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import Placement
-from orchestrator.supervisor.progress import GenerationProgress
+from orchestrator.supervisor.generation.progress import GenerationProgress
 
 IN_JOB = "in_job"
 RESTART = "restart"

@@ -15,9 +15,9 @@ from orchestrator.supervisor.health_rounds import HealthCoordinator
 from orchestrator.launchers import AgentSpec, Launcher
 from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.generation import TICK_S
+from orchestrator.supervisor.generation.parts import TICK_S
 from orchestrator.supervisor.intake import Intake
-from orchestrator.supervisor.outcome import JobFailed
+from orchestrator.supervisor.generation.outcome import JobFailed
 from orchestrator.supervisor.placement import Placement, id_key, place
 from orchestrator.supervisor.policy import OperatorStop
 

@@ -43,7 +43,7 @@ from stability.events import Event
 from stability.lineage import LineageMonitor
 
 if TYPE_CHECKING:
-    from orchestrator.jobview import JobView
+    from orchestrator.journal.view import JobView
 
 CACHE_NAME = "stability.json"
 _CACHE_VERSION = 1

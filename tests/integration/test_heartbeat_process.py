@@ -34,7 +34,7 @@ def _front_pid(supervisor_pid: int) -> int:
     kids = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text().split()
     for kid in kids:
         cmd = Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")
-        if b"orchestrator.supervisor.beatfront" in cmd:
+        if b"orchestrator.supervisor.gateway.beatfront" in cmd:
             return int(kid)
     raise AssertionError(f"no heartbeat process among {kids}")
 

@@ -25,7 +25,7 @@ import cpulock
 import pytest
 
 from orchestrator.contracts import events as ev
-from orchestrator.journal import read_journal
+from orchestrator.journal.store import read_journal
 
 pytestmark = pytest.mark.alone_setup
 ROOT = Path(__file__).resolve().parents[2]

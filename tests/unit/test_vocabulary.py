@@ -135,8 +135,8 @@ def test_every_phase_has_a_timeout():
 
 
 def test_the_silent_threshold_is_computed_once():
-    assert set(_where(_silent_threshold)) == {"orchestrator/supervisor/hangs.py"}, \
-        "use orchestrator.supervisor.hangs.silent_after_s"
+    assert set(_where(_silent_threshold)) == {"orchestrator/supervisor/generation/hangs.py"}, \
+        "use orchestrator.supervisor.generation.hangs.silent_after_s"
 
 
 def test_is_this_url_remote_is_written_once():

@@ -9,10 +9,10 @@ import pytest
 from _accounting_script import Script
 from prometheus_client import CollectorRegistry
 
-from orchestrator.books import BADPUT_CATEGORIES, compute_books
+from orchestrator.journal.books import BADPUT_CATEGORIES, compute_books
 from orchestrator.contracts.rundir import RunDir
-from orchestrator.status import load_books
-from orchestrator.supervisor.bookkeeper import BookKeeper, LineFollower
+from orchestrator.journal.status import load_books
+from orchestrator.supervisor.bookkeeper import BookKeeper
 from orchestrator.supervisor.metrics import SupervisorMetrics
 
 
@@ -48,18 +48,6 @@ def value(metrics: SupervisorMetrics, name: str, **labels: str) -> float:
     v = metrics.registry.get_sample_value(name, {"job": "t", **labels})
     assert v is not None, (name, labels)
     return v
-
-
-def test_line_follower_reads_each_complete_line_once(tmp_path: Path) -> None:
-    path = tmp_path / "x.jsonl"
-    follow = LineFollower(path)
-    assert follow.new_lines() == []
-    write(path, [{"a": 1}], torn='{"b": ')
-    assert follow.new_lines() == [{"a": 1}]
-    with open(path, "a") as f:
-        f.write('2}\nnot json\n{"c": 3}\n')
-    assert follow.new_lines() == [{"b": 2}, {"c": 3}]
-    assert follow.new_lines() == []
 
 
 def test_keeper_follows_files_and_a_restarted_one_rebuilds_the_same_books(

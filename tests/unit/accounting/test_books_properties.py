@@ -7,7 +7,7 @@ from _accounting_script import Script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.books import Books, compute_books
+from orchestrator.journal.books import Books, compute_books
 
 generation = st.fixed_dictionaries({
     "startup": st.floats(0.0, 20.0),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from _accounting_script import Script
 
-from orchestrator.books import CATEGORIES, Books, compute_books
+from orchestrator.journal.books import CATEGORIES, Books, compute_books
 
 
 def book(script: Script, now: float = 1e9) -> dict[str, float]:

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import __version__
-from orchestrator.books import BADPUT_CATEGORIES
+from orchestrator.journal.books import BADPUT_CATEGORIES
 from orchestrator.health.catalog import CHECK_NAMES
 from orchestrator.contracts.state import JobState, NodeState
 from orchestrator.supervisor.metrics import (
@@ -60,7 +60,7 @@ SPEC: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     # One series per check of the health-check catalog.
     "orchestrator_health_check_failures": ("counter", {"check": CHECK_NAMES}),
     "orchestrator_supervisor_late_seconds": ("counter", {}),
-    # Stragglers (orchestrator.supervisor.stragglers): named now, and events by action.
+    # Stragglers (orchestrator.supervisor.generation.stragglers): named now, and events by action.
     "orchestrator_straggler_nodes": ("gauge", {}),
     "orchestrator_straggler_ranks": ("gauge", {}),
     "orchestrator_straggler_excess_seconds": ("gauge", {}),

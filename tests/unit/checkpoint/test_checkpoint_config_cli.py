@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from orchestrator.config.loader import ConfigError, validate_data
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 
 
 def problems(data: dict) -> dict[str, str]:

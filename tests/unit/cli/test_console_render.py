@@ -13,7 +13,6 @@ from orchestrator.cli.console import (
     STABILITY_ADVICE,
     JobFollower,
     Progress,
-    TailReader,
     describe,
     fmt_duration,
     progress_line,
@@ -25,19 +24,6 @@ FUZZ_CASES = 400
 def append(path: Path, text: str | bytes) -> None:
     with open(path, "ab") as f:
         f.write(text if isinstance(text, bytes) else text.encode())
-
-
-def test_tail_reader_waits_for_the_end_of_a_line_and_skips_garbage(tmp_path: Path) -> None:
-    path = tmp_path / "events.jsonl"
-    reader = TailReader(path)
-    assert reader.read() == []  # not there yet
-    append(path, '{"kind": "a"}\n{"kind": "b"')
-    assert reader.read() == [{"kind": "a"}]
-    append(path, '}\nnot json\n[1, 2]\n{"x": NaN}\n\n{"kind": "c"}\n')
-    assert reader.read() == [{"kind": "b"}, {"kind": "c"}]
-    assert reader.skipped == 3  # the text, the list and the NaN; blank lines are not counted
-    path.write_text('{"kind": "new"}\n')  # replaced by a shorter file: read from the start
-    assert reader.read() == [{"kind": "new"}]
 
 
 @settings(max_examples=FUZZ_CASES, deadline=None,

@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.cli.control import stop_job
 from orchestrator.contracts.events import JobCreated, Transition
-from orchestrator.journal import Journal
+from orchestrator.journal.store import Journal
 from orchestrator.contracts.rundir import RunDir
 
 

@@ -20,8 +20,8 @@ from orchestrator.contracts import events as ev
 from orchestrator.cli.ranklogs import show_logs
 from orchestrator.config import ConfigError, load_config
 from orchestrator.cli.console import JobFollower, describe
-from orchestrator.jobview import JobView
-from orchestrator.journal import Journal
+from orchestrator.journal.view import JobView
+from orchestrator.journal.store import Journal
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import Cause, JobState
 from orchestrator.cli.summary import build_summary

@@ -11,7 +11,7 @@ from typing import Any
 from fakes import make_context
 from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.config import load_config
-from orchestrator.journal import read_events
+from orchestrator.journal.store import read_events
 from orchestrator.health.base import Level
 from orchestrator.health.catalog import node_checks
 from orchestrator.supervisor.health_rounds import HealthCoordinator

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from orchestrator.agent.agent import Agent
 from orchestrator.agent.ranks import EXIT_NOT_FOUND, Rank, RankSet, RankSetup, warm_module
-from orchestrator.agent.tasks import RootTaskFailed, RootTasks
+from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.config.schema import Config
 from orchestrator.contracts.protocol import Assignment
 
@@ -131,3 +131,61 @@ def test_a_spawn_failure_is_reported_as_that_ranks_exit(tmp_path: Path) -> None:
 def test_warm_spares_take_module_entrypoints_with_interpreter_flags(entrypoint, expected
                                                                     ) -> None:
     assert warm_module(entrypoint) == expected
+
+
+@pytest.mark.timeout(120)
+def test_a_supervisor_whose_root_task_fails_stops_with_its_error(tmp_path: Path) -> None:
+    """A real Supervisor (its HTTP server on a real port): the books' task raises while the
+    job is being driven. The drive is cancelled, the supervisor shuts down (its journal
+    closed, the API stopped) and ``run`` raises the failure with the task's name."""
+    from orchestrator.contracts.rundir import RunDir
+    from orchestrator.supervisor.core import Supervisor
+
+    cfg = Config.model_validate({"job": {"name": "t"}, "metrics": {"port": 0,
+                                                                   "host": "127.0.0.1"}})
+    sup = Supervisor(cfg, RunDir(tmp_path / "run"))
+    driving = asyncio.Event()
+    cancelled: list[str] = []
+
+    async def drive() -> None:
+        driving.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.append("drive")
+
+    async def books() -> None:
+        await driving.wait()
+        raise ZeroDivisionError("a bug in the books")
+
+    sup._drive = drive  # type: ignore[method-assign]
+    sup.books.run = books  # type: ignore[method-assign]
+    with pytest.raises(RootTaskFailed) as info:
+        asyncio.run(sup.run())
+    assert info.value.name == "books" and isinstance(info.value.error, ZeroDivisionError)
+    assert cancelled == ["drive"]
+    assert sup.journal._closed  # shut down as after any end of the drive
+
+
+def test_a_supervisor_whose_drive_ends_stops_its_root_tasks(tmp_path: Path) -> None:
+    from orchestrator.contracts.rundir import RunDir
+    from orchestrator.supervisor.core import Supervisor
+
+    cfg = Config.model_validate({"job": {"name": "t"}, "metrics": {"port": 0,
+                                                                   "host": "127.0.0.1"}})
+    sup = Supervisor(cfg, RunDir(tmp_path / "run"))
+    ended: list[str] = []
+
+    async def drive() -> None:
+        await asyncio.sleep(0.05)
+
+    async def books() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append("books")
+
+    sup._drive = drive  # type: ignore[method-assign]
+    sup.books.run = books  # type: ignore[method-assign]
+    asyncio.run(sup.run())
+    assert ended == ["books"]

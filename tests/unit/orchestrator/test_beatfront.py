@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.contracts.auth import node_credential
-from orchestrator.supervisor import beatwire
-from orchestrator.supervisor.beatlink import BeatLink
+from orchestrator.supervisor.gateway import beatwire
+from orchestrator.supervisor.gateway.beatlink import BeatLink
 
 SECRET = "s" * 32
 

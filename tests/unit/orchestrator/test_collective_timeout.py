@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.config.schema import PhaseTimeouts, TimeoutsConfig
-from orchestrator.supervisor.hangs import TrainingTimeout, collective_timeout_s
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, collective_timeout_s
 
 GLOO_DEFAULT_S = 1800.0
 CASES = 300

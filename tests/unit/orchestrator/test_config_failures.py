@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.config import load_config
-from orchestrator.jobview import JobView
-from orchestrator.supervisor.generation import own_python
-from orchestrator.supervisor.outcome import exit_reason
+from orchestrator.journal.view import JobView
+from orchestrator.supervisor.generation.parts import own_python
+from orchestrator.supervisor.generation.outcome import exit_reason
 from orchestrator.supervisor.policy import RestartPolicy
 
 HOOK = ("orchestrator preload hook failed: ModuleNotFoundError: No module named "

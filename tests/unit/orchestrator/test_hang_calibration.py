@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.config.schema import RestartConfig, TimeoutsConfig
-from orchestrator.jobview import JobView
-from orchestrator.supervisor.generation import TICK_S
-from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
+from orchestrator.journal.view import JobView
+from orchestrator.supervisor.generation.parts import TICK_S
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.policy import RestartPolicy
-from orchestrator.supervisor.progress import GenerationProgress, RankProgress
+from orchestrator.supervisor.generation.progress import GenerationProgress, RankProgress
 from tests.fakes import FakeClock
 
 FAST = TimeoutsConfig(training_floor_s=30, training_multiplier=3,

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from orchestrator.config.schema import TimeoutsConfig
 from orchestrator.contracts.pace import PACE_WINDOW, WARMUP_STEPS, StepPace
 from orchestrator.contracts.protocol import RankInfo
-from orchestrator.supervisor.generation import TICK_S
-from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
-from orchestrator.supervisor.progress import GenerationProgress, ProgressTracker, RankProgress
+from orchestrator.supervisor.generation.parts import TICK_S
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, any_overdue, find_hangs
+from orchestrator.supervisor.generation.progress import GenerationProgress, ProgressTracker, RankProgress
 from orchestrator.worker.sdk import Worker
 from tests.fakes import FakeClock
 

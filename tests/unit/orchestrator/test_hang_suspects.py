@@ -4,8 +4,8 @@ crossed the timeout first (each rank's step is seen when its own agent next beat
 from __future__ import annotations
 
 from orchestrator.config.schema import TimeoutsConfig
-from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
-from orchestrator.supervisor.progress import GenerationProgress, RankProgress
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, find_hangs
+from orchestrator.supervisor.generation.progress import GenerationProgress, RankProgress
 
 CFG = TimeoutsConfig(training_floor_s=2.0, training_multiplier=3.0,
                      heartbeat_interval_s=0.5)

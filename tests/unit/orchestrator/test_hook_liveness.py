@@ -4,8 +4,8 @@ first optimizer step no phase timeout applies, only liveness; after it, the usua
 from __future__ import annotations
 
 from orchestrator.config.schema import TimeoutsConfig
-from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
-from orchestrator.supervisor.progress import GenerationProgress, RankProgress
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, find_hangs
+from orchestrator.supervisor.generation.progress import GenerationProgress, RankProgress
 
 CFG = TimeoutsConfig(node_lost_s=10, phases={"init": 30})
 

@@ -21,7 +21,7 @@ from orchestrator.contracts.protocol import RankInfo, RegisterRequest
 from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor import recovery
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.generation.progress import ProgressTracker
 from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
 
 ENV = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511",

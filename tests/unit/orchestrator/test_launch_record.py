@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.contracts import events as ev
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 
 CASES = {"launch": 0}
 

@@ -19,10 +19,10 @@ from orchestrator.contracts.events import NodeStateChanged
 from orchestrator.contracts.protocol import RankInfo, RegisterRequest
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.deadlines import LoopLag, ServiceClock
-from orchestrator.supervisor.hangs import TrainingTimeout, find_hangs
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, find_hangs
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.generation.progress import ProgressTracker
 from orchestrator.supervisor.stability import StabilityHook
 
 LIMIT = 10.0

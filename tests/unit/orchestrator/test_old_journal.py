@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.journal import SkipReport, read_journal
-from orchestrator.jobview import JobView
+from orchestrator.journal.store import SkipReport, read_journal
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.state import JobState
 
 OLD = Path(__file__).resolve().parents[2] / "data" / "run-v0.1"

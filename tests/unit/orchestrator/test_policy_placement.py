@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.config.schema import ChaosConfig, KillSpec, RestartConfig
-from orchestrator.jobview import JobView
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.protocol import RegisterRequest
 from orchestrator.contracts.state import NodeState
 from orchestrator.contracts.chaos import ChaosDriver

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from orchestrator.contracts import events as ev
 from orchestrator.config import Config
-from orchestrator.journal import read_events
+from orchestrator.journal.store import read_events
 from orchestrator.contracts.protocol import (
     MAX_PROFILE_STEPS,
     ProfileRequest,
@@ -24,7 +24,7 @@ from orchestrator.contracts.protocol import (
     RegisterRequest,
 )
 from orchestrator.contracts.state import JobState, NodeState
-from orchestrator.status import build_status
+from orchestrator.journal.status import build_status
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.profiles import ProfileDesk, ProfileRefused, choose_start

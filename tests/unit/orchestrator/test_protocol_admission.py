@@ -17,7 +17,7 @@ from orchestrator.contracts.auth import (
     node_credential,
 )
 from orchestrator.contracts.protocol import EventBatch, Heartbeat, RegisterRequest
-from orchestrator.supervisor.admission import (
+from orchestrator.supervisor.gateway.admission import (
     KnownNode,
     Limits,
     Slice,

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.config.schema import Config
 from orchestrator.logs import configure_logging, get_logger, redact
 from orchestrator.contracts.rundir import RunDir
-from orchestrator.supervisor.server import bind_host, server_ssl_context
+from orchestrator.supervisor.gateway.server import bind_host, server_ssl_context
 
 TOKEN = "tok-" + "x7Yq" * 10
 

@@ -13,16 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.contracts import events as ev
-from orchestrator.books import Books
+from orchestrator.journal.books import Books
 from orchestrator.config import Config
-from orchestrator.journal import read_events, read_journal
+from orchestrator.journal.store import read_events, read_journal
 from orchestrator.contracts.protocol import EventBatch, RankExit, RankInfo, RegisterRequest
 from orchestrator.contracts.state import Cause, NodeState
 from orchestrator.supervisor.deadlines import OldestFirst
-from orchestrator.supervisor.hangs import TrainingTimeout, any_overdue, find_hangs
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, any_overdue, find_hangs
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.progress import ProgressTracker
+from orchestrator.supervisor.generation.progress import ProgressTracker
 from orchestrator.supervisor.stability import StabilityHook
 
 CASES = {"oldest": 0, "hangs": 0}
@@ -238,7 +238,7 @@ def test_a_beat_builds_no_phase_heap_for_a_phase_that_has_one(monkeypatch) -> No
     """``GenerationProgress.progressed`` runs for every rank that steps, 16k times a second
     at 2,048 x 8: a phase's oldest-first heap is made once, when the phase first appears,
     not built and thrown away on every call (``dict.setdefault`` evaluates its default)."""
-    from orchestrator.supervisor import progress as progress_mod
+    from orchestrator.supervisor.generation import progress as progress_mod
 
     made: list[int] = []
 

@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry
 
 from orchestrator.config import Config
 from orchestrator.contracts.events import GenerationLaunched
-from orchestrator.journal import read_events
-from orchestrator.jobview import JobView
+from orchestrator.journal.store import read_events
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import Cause
-from orchestrator.status import build_status
+from orchestrator.journal.status import build_status
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import CACHE_NAME, StabilityHook

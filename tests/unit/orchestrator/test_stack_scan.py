@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.supervisor.generation import written_since
+from orchestrator.supervisor.generation.parts import written_since
 
 
 def test_only_non_empty_files_not_seen_before_are_new(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.contracts import events as ev
-from orchestrator.journal import Journal, SkipReport, read_events, read_journal
-from orchestrator.jobview import JobView
+from orchestrator.journal.store import Journal, SkipReport, read_events, read_journal
+from orchestrator.journal.view import JobView
 from orchestrator.contracts.state import ALLOWED, IllegalTransition, JobState, check_transition
 
 

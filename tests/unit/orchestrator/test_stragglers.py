@@ -16,12 +16,12 @@ from prometheus_client import generate_latest
 
 from orchestrator.config import Config
 from orchestrator.config.schema import StragglerConfig
-from orchestrator.journal import read_events
+from orchestrator.journal.store import read_events
 from orchestrator.contracts.protocol import RankInfo, RegisterRequest
 from orchestrator.contracts.state import NodeState
-from orchestrator.status import build_status
+from orchestrator.journal.status import build_status
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.stragglers import (
+from orchestrator.supervisor.generation.stragglers import (
     StragglerDetector,
     StragglerWatch,
     median_without,

@@ -13,11 +13,11 @@ from fakes import FakeClock, FakeLog, make_context
 from orchestrator.contracts import env as ec
 from orchestrator.contracts import events as ev
 from orchestrator.config import Config
-from orchestrator.jobview import JobView
-from orchestrator.journal import read_journal
+from orchestrator.journal.view import JobView
+from orchestrator.journal.store import read_journal
 from orchestrator.contracts.protocol import Heartbeat, RegisterRequest
 from orchestrator.contracts.state import NodeState
-from orchestrator.supervisor.generation import GenerationParts
+from orchestrator.supervisor.generation.parts import GenerationParts
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook

@@ -13,11 +13,11 @@ from fakes import FakeClock, FakeLog, make_context
 
 from orchestrator.contracts import events as ev
 from orchestrator.config import Config
-from orchestrator.journal import read_events
+from orchestrator.journal.store import read_events
 from orchestrator.contracts.protocol import RankExit, RanksStarted, RanksStopped, RankInfo, \
     RegisterRequest, WorkerEvent
 from orchestrator.contracts.state import Cause, JobState, NodeState
-from orchestrator.supervisor.generation import TICK_S, GenerationParts
+from orchestrator.supervisor.generation.parts import TICK_S, GenerationParts
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.nodes import NODE_MOVES, IllegalNodeMove, NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook

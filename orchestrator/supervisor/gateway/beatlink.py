@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.supervisor import beatwire
+from orchestrator.supervisor.gateway import beatwire
 
 # How often the mirror is brought up to date (and at once on a registration).
 SYNC_S = 0.1
@@ -67,7 +67,7 @@ class BeatLink:
         parent, child = socket.socketpair()
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "orchestrator.supervisor.beatfront",
+                sys.executable, "-m", "orchestrator.supervisor.gateway.beatfront",
                 "--fd", str(child.fileno()), pass_fds=(child.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL)
         finally:

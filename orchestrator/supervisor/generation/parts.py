@@ -19,10 +19,10 @@ from orchestrator.contracts import events as ev
 from orchestrator.contracts.rundir import is_remote, stack_file_name
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.hangs import collective_timeout_s
+from orchestrator.supervisor.generation.hangs import collective_timeout_s
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.outcome import Outcome
+from orchestrator.supervisor.generation.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.stability import StabilityHook
 

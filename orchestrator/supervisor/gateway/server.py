@@ -28,15 +28,15 @@ from orchestrator.contracts.protocol import (
     StopRequest,
 )
 from orchestrator.contracts.state import NodeState
-from orchestrator.supervisor import admission, beatwire
-from orchestrator.supervisor.beatlink import BeatLink
-from orchestrator.supervisor.httpbody import M, error, parse_body, read_body
+from orchestrator.supervisor.gateway import admission, beatwire
+from orchestrator.supervisor.gateway.beatlink import BeatLink
+from orchestrator.supervisor.gateway.httpbody import M, error, parse_body, read_body
 from orchestrator.supervisor.intake import UnknownNode
 from orchestrator.supervisor.profiles import ProfileRefused
 
 if TYPE_CHECKING:
     from orchestrator.config.schema import Config
-    from orchestrator.jobview import JobView
+    from orchestrator.journal.view import JobView
     from orchestrator.contracts.rundir import RunDir
     from orchestrator.supervisor.bookkeeper import BookKeeper
     from orchestrator.supervisor.intake import Intake
@@ -347,7 +347,7 @@ class ApiServer:
         return web.json_response(event.fields())
 
     async def status(self, request: web.Request) -> web.Response:
-        from orchestrator.status import build_status
+        from orchestrator.journal.status import build_status
 
         return web.json_response(build_status(self.sup.view, self.sup.rundir,
                                               live_nodes=self.sup.intake.nodes,

@@ -1,9 +1,10 @@
-"""The agent's root tasks, supervised the way kopf runs an operator's (``aiotasks.py``).
+"""A process's root tasks, supervised the way kopf runs an operator's (``aiotasks.py``).
 
 Each root task has a name. The first to fail (raise) stops the others, and its error is
-raised to the caller as :class:`RootTaskFailed`, so the agent exits non-zero with it instead
-of heartbeating on with a dead assignment loop. A task that returns normally (the orphan
-watch after asking the agent to exit) stops nothing by itself.
+raised to the caller as :class:`RootTaskFailed`: the agent exits non-zero with it instead of
+heartbeating on with a dead assignment loop, and the supervisor stops instead of driving a
+job whose books or loop-lag watch died silently. A task that returns normally (the agent's
+orphan watch after asking it to exit) stops nothing by itself.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ class RootTaskFailed(RuntimeError):
 class RootTasks:
     """Named root tasks: started together, stopped together."""
 
-    def __init__(self, coros: dict[str, Coroutine[Any, Any, Any]]) -> None:
-        self.tasks = {name: asyncio.create_task(coro, name=f"agent:{name}")
+    def __init__(self, coros: dict[str, Coroutine[Any, Any, Any]], owner: str = "agent",
+                 ) -> None:
+        self.owner = owner
+        self.tasks = {name: asyncio.create_task(coro, name=f"{owner}:{name}")
                       for name, coro in coros.items()}
 
     async def wait(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set (return) or a root task fails (raise RootTaskFailed, after
         cancelling the others)."""
-        stopper = asyncio.create_task(stop.wait(), name="agent:stop")
+        stopper = asyncio.create_task(stop.wait(), name=f"{self.owner}:stop")
         try:
             pending = set(self.tasks.values())
             while not stop.is_set():

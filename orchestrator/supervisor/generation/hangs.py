@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from orchestrator.config.schema import TimeoutsConfig
 from orchestrator.contracts.phases import BUSY_PHASES
-from orchestrator.supervisor.progress import GenerationProgress, RankProgress
+from orchestrator.supervisor.generation.progress import GenerationProgress, RankProgress
 
 # A new calibration is journaled only when the timeout moves by more than this fraction,
 # so a job's journal gets a handful of these, not one per heartbeat.

@@ -19,7 +19,7 @@ The process holds no state of its own beyond the mirror, writes nothing, and exi
 supervisor's end of the socket closes. Should it die, agents fall back to the supervisor's
 port (``orchestrator.agent``).
 
-    python -m orchestrator.supervisor.beatfront --fd N   (started by ``beatlink`` only)
+    python -m orchestrator.supervisor.gateway.beatfront --fd N   (started by ``beatlink`` only)
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from aiohttp import web
 from orchestrator.contracts.auth import authenticate, bearer_of
 from orchestrator.logs import configure_logging, get_logger
 from orchestrator.contracts.protocol import Heartbeat
-from orchestrator.supervisor import admission, beatwire
-from orchestrator.supervisor.httpbody import error, parse_body, read_body
+from orchestrator.supervisor.gateway import admission, beatwire
+from orchestrator.supervisor.gateway.httpbody import error, parse_body, read_body
 
 # The supervisor's answer to an asked beat comes within this, or the agent gets a 504.
 ASK_TIMEOUT_S = 10.0

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator.books import Ledger, compute_books
-from orchestrator.jobview import JobView
-from orchestrator.journal import read_journal
+from orchestrator.journal.books import Ledger, compute_books
+from orchestrator.journal.view import JobView
+from orchestrator.journal.store import read_journal
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.steprecord import parse_stored_line, read_steps
 
