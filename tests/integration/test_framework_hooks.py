@@ -155,7 +155,11 @@ def _progress(run_dir: Path) -> int:
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_down_commits_a_checkpoint_through_the_framework_and_resume_continues_it(
         tmp_path: Path, dataset_dir: Path, framework: str) -> None:
-    cfg = _config(tmp_path, dataset_dir, framework, {"STEPS": "60", "STEP_S": "0.1"},
+    # Room for the stop to land before the last step: at least (steps - 14) x STEP_S after
+    # step 14, which the `down` command's start and the stop's agreement must fit in on a
+    # loaded host (46 steps of 0.1 s once did not: the job was stopped at its final step).
+    steps = 100
+    cfg = _config(tmp_path, dataset_dir, framework, {"STEPS": str(steps), "STEP_S": "0.15"},
                   checkpoint={"interval_steps": 10, "keep_last": 3})
     run_dir = tmp_path / "run"
     proc = _start(cfg, run_dir)
@@ -178,7 +182,7 @@ def test_down_commits_a_checkpoint_through_the_framework_and_resume_continues_it
     events = journal(run_dir)
     stopped = [e for e in events if e["kind"] == "transition" and e["to"] == "STOPPED"][-1]
     stop_step = _committed(run_dir)[-1]
-    assert 14 <= stop_step < 60 and stop_step == _progress(run_dir)
+    assert 14 <= stop_step < steps and stop_step == _progress(run_dir)
     assert f"final checkpoint at step {stop_step}" in stopped["reason"]
     assert [e for e in events if e["kind"] == "failure"] == []
 
@@ -189,8 +193,8 @@ def test_down_commits_a_checkpoint_through_the_framework_and_resume_continues_it
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert status(run_dir)["state"] == "COMPLETED"
     assert [e["step"] for e in journal(run_dir) if e["kind"] == "resumed"][-1] == stop_step
-    steps = [r["step"] for r in _steps(run_dir)]
-    assert steps[steps.index(stop_step) + 1] == stop_step + 1 and steps[-1] == 60
+    done = [r["step"] for r in _steps(run_dir)]
+    assert done[done.index(stop_step) + 1] == stop_step + 1 and done[-1] == steps
 
 
 @pytest.mark.parametrize("one_line", [True, False])
