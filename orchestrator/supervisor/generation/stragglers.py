@@ -224,11 +224,14 @@ class StragglerWatch:
 
     def exclude_at_restart(self, nodes: Any) -> list[str]:
         """With ``action: exclude``: move each named node still ACTIVE to EXCLUDED while a
-        spare can take its rank (one spare each). ``nodes`` is the ``NodeRegistry``; the
+        spare, or a node registered since the last launch, can take its rank (one each). ``nodes`` is the ``NodeRegistry``; the
         named nodes are the journal's (so a restarted supervisor excludes them too)."""
         if self.cfg.action != "exclude":
             return []
-        spares = len(nodes.with_state(NodeState.SPARE))
+        # A node that registered after the last launch is not a spare yet: the health round
+        # before the next launch makes it one, as it does a spare of the last launch.
+        spares = len(nodes.with_state(NodeState.SPARE)) + \
+            len(nodes.with_state(NodeState.REGISTERED))
         excluded: list[str] = []
         for node_id, named in sorted(self.ctx.view.stragglers.items()):
             node = nodes.nodes.get(node_id)

@@ -283,3 +283,18 @@ def test_any_figures_give_sane_findings(rounds: list[dict[int, Any]], gaps: list
                 named.remove(node)
         assert set(d.named) == named
         now += gap
+
+
+def test_a_node_registered_after_the_launch_can_take_the_stragglers_place(
+        tmp_path: Path) -> None:
+    """A spare's agent that registered after the first launch (a loaded host: 0.2 s late in
+    a CI run) is REGISTERED, not yet SPARE, at the restart: it still lets the straggler go,
+    and the health round before the next launch makes it the spare that takes the rank."""
+    w = Watch(tmp_path, action="exclude", spares=0)
+    w.run(14.0, {2: 0.4})
+    assert w.watch.exclude_at_restart(w.nodes) == []  # nobody to take the rank yet
+    late, _ = w.nodes.register(RegisterRequest(node_id="n2", host="h", addr="127.0.0.1",
+                                                procs=2, agent_pid=102))
+    assert late.state is NodeState.REGISTERED
+    assert w.watch.exclude_at_restart(w.nodes) == ["n1"]
+    assert w.nodes.nodes["n1"].state is NodeState.EXCLUDED
