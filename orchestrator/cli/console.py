@@ -17,69 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.contracts import readback
+from orchestrator.journal.follow import JsonlFollower
 
 # Tokens/s and the ETA are measured over this many recent step records (about 10-30 s of
 # the CPU demo): long enough to smooth a checkpoint stall, short enough to follow a restart.
 _RATE_WINDOW = 32
-# A line longer than this in a journal or step file is not ours (or is torn): skip it.
-_MAX_LINE = 1 << 20
 # A human line quotes at most this much of an error message (the journal has all of it).
 _SHORT = 120
-
-
-class TailReader:
-    """Reads the complete lines appended to a file since the last call.
-
-    A line still being written (no newline yet) waits for the next call; a file that does not
-    exist yet reads as empty; a file that shrank (replaced) is read again from its start.
-    Lines that are not JSON objects are counted in ``skipped`` and never returned.
-    """
-
-    def __init__(self, path: Path, bounds: readback.Bounds = readback.JOURNAL) -> None:
-        self.path = path
-        self.bounds = bounds
-        self.offset = 0
-        self.skipped = 0
-        self._partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            size = self.path.stat().st_size
-        except OSError:
-            return []
-        if size < self.offset:
-            self.offset, self._partial = 0, b""
-        if size == self.offset:
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read(size - self.offset)
-        self.offset += len(chunk)
-        data = self._partial + chunk
-        *lines, self._partial = data.split(b"\n")
-        if len(self._partial) > _MAX_LINE:
-            self._partial = b""
-            self.skipped += 1
-        out = []
-        for raw in lines:
-            obj = parse_line(raw, self.bounds)
-            if obj is None:
-                if raw.strip():
-                    self.skipped += 1
-                continue
-            out.append(obj)
-        return out
-
-
-def parse_line(raw: bytes, bounds: readback.Bounds = readback.JOURNAL,
-               ) -> dict[str, Any] | None:
-    """One JSON object from a line, or None (blank, torn, past the bounds, not a dict)."""
-    if not raw.strip() or len(raw) > _MAX_LINE:
-        return None
-    try:
-        return readback.loads_object(raw, bounds)
-    except readback.Unreadable:
-        return None
 
 
 def _num(value: Any) -> float | None:
@@ -131,8 +75,8 @@ class JobFollower:
         maxlen=_RATE_WINDOW))
 
     def __post_init__(self) -> None:
-        self._journal = TailReader(self.root / "events.jsonl")
-        self._steps = TailReader(self.root / "steps.jsonl", readback.STEPS)
+        self._journal = JsonlFollower(self.root / "events.jsonl")
+        self._steps = JsonlFollower(self.root / "steps.jsonl", readback.STEPS)
 
     @property
     def skipped_lines(self) -> int:

@@ -3,8 +3,8 @@
 Its readers (the supervisor's books, the operator's console) each keep a
 :class:`JsonlFollower` and ask it for what was appended since their last call:
 
-- only complete lines: a last line without its newline is still being written and waits
-  for the next call;
+- only complete lines: a last line without its newline is still being written and is read
+  again, whole, at the next call (a writer that rewrites its torn tail is followed too);
 - a file that does not exist yet reads as empty; one that shrank (replaced, truncated) is
   read again from its start;
 - a line longer than the file's bounds (``contracts.readback``) is dropped without being
@@ -26,29 +26,39 @@ class JsonlFollower:
     def __init__(self, path: Path, bounds: readback.Bounds = readback.JOURNAL) -> None:
         self.path = Path(path)
         self.bounds = bounds
-        self.offset = 0
+        self.offset = 0  # the end of the last complete line read (or skipped)
         self.skipped = 0
-        self._partial = b""
+        self._skipping = False  # inside a line already past the bounds, until its newline
 
     def read_raw(self) -> list[bytes]:
-        """The new complete lines, not parsed (a reader with its own parser: the books)."""
+        """The new complete lines, not parsed (a reader with its own parser: the books).
+        A line still being written is read again, whole, at the next call."""
         try:
             size = self.path.stat().st_size
         except OSError:
             return []
         if size < self.offset:
-            self.offset, self._partial = 0, b""
+            self.offset, self._skipping = 0, False
         if size == self.offset:
             return []
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            chunk = f.read(size - self.offset)
-        self.offset += len(chunk)
-        *lines, self._partial = (self._partial + chunk).split(b"\n")
-        if len(self._partial) > self.bounds.max_bytes:
-            self._partial = b""
+            data = f.read(size - self.offset)
+        if self._skipping:
+            newline = data.find(b"\n")
+            if newline < 0:
+                self.offset += len(data)
+                return []
+            self.offset += newline + 1
+            data = data[newline + 1:]
+            self._skipping = False
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        if len(data) - end > self.bounds.max_bytes:  # a torn tail already past the bounds
+            self.offset += len(data) - end
+            self._skipping = True
             self.skipped += 1
-        return lines
+        return data[:end].split(b"\n")[:-1] if end else []
 
     def parse(self, raw: bytes) -> dict[str, Any] | None:
         """One line's JSON object within the bounds; None (counted unless blank) if not."""

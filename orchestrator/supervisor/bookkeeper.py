@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from orchestrator.contracts import readback
 from orchestrator.journal.books import Books, Ledger
+from orchestrator.journal.follow import JsonlFollower
 from orchestrator.clock import Clock
 from orchestrator.contracts.events import Envelope, parse_event
 from orchestrator.logs import get_logger
@@ -28,37 +27,6 @@ from orchestrator.supervisor.metrics import SupervisorMetrics
 REFRESH_S = 2.0
 # Lines folded between two turns of the loop by the periodic refresh.
 FOLD_CHUNK = 200
-
-
-class LineFollower:
-    """Complete JSON lines appended to a file since the last call (a torn tail waits)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-
-    def new_lines(self) -> list[dict[str, Any]]:
-        return [obj for line in self.new_raw() if (obj := parse_line(line)) is not None]
-
-    def new_raw(self) -> list[bytes]:
-        """The new complete lines, not yet parsed (``parse_line``)."""
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        return data[:end].splitlines()
-
-
-def parse_line(line: bytes) -> dict[str, Any] | None:
-    """A journal line's JSON object; None for a line the bounded reader cannot take
-    (skipped, as the journal reader does)."""
-    try:
-        return readback.loads_object(line, readback.JOURNAL)
-    except readback.Unreadable:
-        return None
 
 
 class BookKeeper:
@@ -75,8 +43,8 @@ class BookKeeper:
         self.books = Books()
         self.metrics = metrics
         self.clock = clock
-        self._journal = LineFollower(run.journal)
-        self._steps = LineFollower(run.steps)
+        self._journal = JsonlFollower(run.journal)
+        self._steps = JsonlFollower(run.steps, readback.STEPS)
         # Lines read but not yet folded (``refresh_in_chunks`` folds them a chunk at a time).
         self._backlog: deque[tuple[str, bytes]] = deque()
         # Books as of the journal's last event, not now: the time since is a supervisor gap
@@ -109,8 +77,8 @@ class BookKeeper:
         return self._snapshot(False)
 
     def _read(self) -> None:
-        self._backlog.extend(("journal", raw) for raw in self._journal.new_raw())
-        self._backlog.extend(("steps", raw) for raw in self._steps.new_raw())
+        self._backlog.extend(("journal", raw) for raw in self._journal.read_raw())
+        self._backlog.extend(("steps", raw) for raw in self._steps.read_raw())
 
     def _fold(self, count: int, on_event: Callable[[Envelope], None] | None,
               on_record: Callable[[StepRecord], None] | None) -> None:
@@ -126,7 +94,7 @@ class BookKeeper:
                 if on_record is not None:
                     on_record(rec)
                 continue
-            raw = parse_line(line)
+            raw = self._journal.parse(line)
             if raw is None:
                 continue
             event, _ = parse_event(raw)
