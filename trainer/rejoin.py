@@ -81,6 +81,16 @@ def abort_groups() -> None:
                 pg.abort()
 
 
+def leave_groups() -> None:
+    """Destroy this process's (aborted) process groups before the next generation's are
+    made; the ids of the aborted ones may be reused by the new ones."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    with _ABORT_LOCK:
+        _ABORTED.clear()
+
+
 @dataclass
 class Rejoin:
     """What a survivor needs beyond the loop's parts to rejoin in place: the settings (the
@@ -134,7 +144,7 @@ class Rejoin:
         except RejoinFailed as failed:
             worker.event("recovery_failed", error=str(failed)[:4000])
             raise
-        except Exception as other:  # noqa: BLE001 - any other error: the same fallback
+        except Exception as other:
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RejoinFailed(f"in-place recovery failed: {other}") from other
         done = time.perf_counter()
@@ -162,13 +172,9 @@ class Rejoin:
         """The new generation's process groups, made in the order a starting rank makes
         them (the replacement's, which meets ours in each rendezvous), and every holder of
         the old ones pointed at them."""
-        import torch.distributed as dist
-
         from trainer.distributed import init_distributed, new_memory_group
 
-        dist.destroy_process_group()
-        with _ABORT_LOCK:
-            _ABORTED.clear()  # those groups are gone; ids may be reused
+        leave_groups()
         p.worker.join_generation(order)
         self.log(f"joining generation {order.generation}'s process groups at "
                  f"{order.env.get('MASTER_ADDR')}:{order.env.get('MASTER_PORT')}")

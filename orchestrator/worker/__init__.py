@@ -85,6 +85,20 @@ def disturbed_while(busy: Callable[[], bool]) -> None:
     current().disturbed_while(busy)
 
 
+def recoverable(*, model: Any, optimizer: Any, loader: Any = None,
+                extra: Mapping[str, Any] | None = None,
+                regroup: Callable[[], None] | None = None) -> Any:
+    """Register this rank's state for in-job recovery (``orchestrator.worker.recoverable``):
+    kept in the node's memory tier, rolled back in place when a peer rank dies or hangs.
+    Call after the script's process groups exist; returns the
+    :class:`~orchestrator.worker.recoverable.Recoverable` whose ``restore``, ``step_done``
+    and ``recover`` the training loop calls."""
+    from orchestrator.worker.recoverable import Recoverable
+
+    return Recoverable(current(), model=model, optimizer=optimizer, loader=loader,
+                       extra=extra, regroup=regroup)
+
+
 def shutdown() -> None:
     """Flush the last beat and stop the beat thread."""
     global _worker
@@ -94,4 +108,5 @@ def shutdown() -> None:
 
 
 __all__ = ["PHASES", "Worker", "WorkerContext", "context", "current", "disturbed_while", "event",
-           "init", "phase", "running_under_orchestrator", "set_phase", "shutdown", "step_done"]
+           "init", "phase", "recoverable", "running_under_orchestrator", "set_phase",
+           "shutdown", "step_done"]

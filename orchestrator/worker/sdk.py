@@ -31,10 +31,10 @@ from typing import Any
 from orchestrator.contracts import chaos as chaos_
 from orchestrator.contracts import env as ec
 from orchestrator.contracts.chaos import ChaosPlan
-from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
 from orchestrator.contracts.pace import StepPace
 from orchestrator.contracts.phases import PHASES
 from orchestrator.contracts.rundir import STACKS_DIR, stack_file_name
+from orchestrator.worker.injob import BadRecoverOrder, InJob, RecoverOrder
 from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 
 # Steps the beat's step-time and data-wait summary averages over (the straggler detector's
@@ -90,6 +90,15 @@ class WorkerContext:
             memory_dir=agent.memory_dir, in_job_wait_s=gen.in_job_wait_s,
             run_id=gen.run_id, lineage=list(gen.lineage),
         )
+
+    def job_config(self) -> dict[str, Any]:
+        """The job's resolved config (``ORCH_CONFIG``, JSON the agent wrote); {} without
+        one."""
+        if not self.config_path:
+            return {}
+        with open(self.config_path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
 
 
 class Worker:

@@ -11,7 +11,6 @@ framework's module.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -31,15 +30,6 @@ class Verdict:
     grad_norm: float | None
     skip: bool
     stop: bool
-
-
-def job_config(path: str | None) -> dict[str, Any]:
-    """The job's resolved config (``ORCH_CONFIG``, JSON the agent wrote); {} without one."""
-    if not path:
-        return {}
-    with open(path) as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
 
 
 def total_grad_norm(parameters: Iterable[Any]) -> float | None:
@@ -74,7 +64,7 @@ class FrameworkHook:
         # optimizer count (which would report each step a second time).
         self.worker.progress = "sdk"
         self.ctx = self.worker.ctx
-        cfg = job_config(self.ctx.config_path) if self.ctx.managed else {}
+        cfg = self.ctx.job_config() if self.ctx.managed else {}
         self.guard = _skip_guard(cfg.get("stability"))
         self.checkpoints = FrameworkCheckpoints.from_job(self.ctx, cfg, self.worker)
         self.skipped = 0
