@@ -60,7 +60,7 @@ def serve(loop: str, nodes: int, report_fd: int) -> None:
     sup.view.launches.append({"generation": 1, "nodes": {f"node-{n}": n for n in range(nodes)}})
 
     async def main() -> None:
-        port = await ApiServer(sup).start("127.0.0.1", 0)
+        port = await ApiServer(sup.api_wiring()).start("127.0.0.1", 0)
         os.write(report_fd, f"{port} {sup.token}\n".encode())
         await asyncio.Event().wait()
 

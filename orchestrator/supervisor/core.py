@@ -12,42 +12,45 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from orchestrator.contracts import events as ev
 from orchestrator.allocation import mismatch as allocation_mismatch
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import Config, config_hash
+from orchestrator.contracts import events as ev
 from orchestrator.contracts.env import read_token
 from orchestrator.contracts.events import Envelope, Event
+from orchestrator.contracts.rundir import RunDir
+from orchestrator.contracts.state import Cause, JobState, NodeState, check_transition
 from orchestrator.health.base import Level
-from orchestrator.supervisor.health_rounds import HealthCoordinator
-from orchestrator.journal.view import JobView
 from orchestrator.journal.store import Journal, SkipReport, read_journal
+from orchestrator.journal.view import JobView
 from orchestrator.launchers import AgentSpec, Launcher, build_launcher
 from orchestrator.logs import get_logger
 from orchestrator.roottasks import RootTaskFailed, RootTasks
-from orchestrator.contracts.rundir import RunDir
-from orchestrator.contracts.state import Cause, JobState, NodeState, check_transition
+from orchestrator.supervisor import recovery
 from orchestrator.supervisor.bookkeeper import BookKeeper
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.deadlines import LoopLag
 from orchestrator.supervisor.discovery import ScrapeTarget
 from orchestrator.supervisor.gcpolicy import long_lived_heap
+from orchestrator.supervisor.generation.outcome import JobFailed, Outcome
 from orchestrator.supervisor.generation.parts import GenerationParts
+from orchestrator.supervisor.health_rounds import HealthCoordinator
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.leader import Leadership
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.generation.outcome import JobFailed, Outcome
 from orchestrator.supervisor.policy import OperatorStop, RestartPolicy
 from orchestrator.supervisor.profiles import ProfileDesk
-from orchestrator.supervisor import recovery
 from orchestrator.supervisor.recorder import Recorder
 from orchestrator.supervisor.selection import NodeSelection
 from orchestrator.supervisor.stability import StabilityHook
+
+if TYPE_CHECKING:
+    from orchestrator.supervisor.gateway.server import ApiWiring
 
 
 class _Adopt:
@@ -164,10 +167,19 @@ class Supervisor:
         with long_lived_heap():
             return await self._run()
 
+    def api_wiring(self) -> ApiWiring:
+        """What the HTTP API may reach: these parts and callables, not the supervisor."""
+        from orchestrator.supervisor.gateway.server import ApiWiring
+
+        return ApiWiring(cfg=self.cfg, token=self.token, intake=self.intake,
+                         rundir=self.rundir, metrics=self.metrics, log=self.log,
+                         view=lambda: self.view, request_stop=self.request_stop,
+                         ledger=self.books.refresh, order_profile=self.profiles.order)
+
     async def _run(self) -> JobState:
         from orchestrator.supervisor.gateway.server import ApiServer
 
-        server = ApiServer(self)
+        server = ApiServer(self.api_wiring())
         port = await server.start(self.cfg.metrics.host, self._listen_port())
         self.url = f"{server.scheme}://{self.advertise_host}:{port}"
         self.rundir.write_json(self.rundir.supervisor_info, {

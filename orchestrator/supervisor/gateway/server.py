@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import ssl
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,31 +37,28 @@ from orchestrator.supervisor.profiles import ProfileRefused
 
 if TYPE_CHECKING:
     from orchestrator.config.schema import Config
-    from orchestrator.journal.view import JobView
     from orchestrator.contracts.rundir import RunDir
-    from orchestrator.supervisor.bookkeeper import BookKeeper
+    from orchestrator.journal.view import JobView
     from orchestrator.supervisor.intake import Intake
     from orchestrator.supervisor.metrics import SupervisorMetrics
-    from orchestrator.supervisor.profiles import ProfileDesk
 
 
-class SupervisorApi(Protocol):
-    """What the API serves from: the supervisor, seen only through these (no import of it,
-    so the server and the supervisor form no cycle)."""
+@dataclasses.dataclass(frozen=True)
+class ApiWiring:
+    """What the API serves from, and nothing else of the supervisor (which it never
+    imports): the config and job secret, the node intake (the message half of the
+    gateway), the run directory and metrics it reads, and four callables."""
 
     cfg: Config
     token: str
     intake: Intake
     rundir: RunDir
-    books: BookKeeper
     metrics: SupervisorMetrics
-    profiles: ProfileDesk
     log: Any
-
-    @property
-    def view(self) -> JobView: ...
-
-    def request_stop(self, reason: str = "operator", checkpoint: bool = True) -> None: ...
+    view: Callable[[], JobView]  # the journal's fold, as of now
+    request_stop: Callable[[str, bool], None]  # (reason, checkpoint): the operator's stop
+    ledger: Callable[[], Any]  # the goodput books, brought up to date
+    order_profile: Callable[[ProfileRequest], Awaitable[Any]]  # a profile order's event
 
 
 # An agent's long-poll waits at most this long for a new assignment, then asks again.
@@ -87,7 +85,7 @@ def server_ssl_context(cfg: Config) -> ssl.SSLContext | None:
 
 
 class ApiServer:
-    def __init__(self, sup: SupervisorApi) -> None:
+    def __init__(self, sup: ApiWiring) -> None:
         self.sup = sup
         self.api = sup.cfg.api
         self.scheme = "https" if self.api.tls_cert else "http"
@@ -156,7 +154,7 @@ class ApiServer:
         return {n: rec.assignment.version for n, rec in self.sup.intake.nodes.nodes.items()}
 
     def _mirror_launch(self) -> beatwire.Launch | None:
-        launches = self.sup.view.launches
+        launches = self.sup.view().launches
         if not launches:
             return None
         launch = launches[-1]
@@ -225,7 +223,7 @@ class ApiServer:
     def _slice(self, node_id: str) -> admission.Slice | None:
         """The node's ranks in the newest launched generation, from the journal's launch
         record (so it holds across a supervisor restart, before assignments are re-sent)."""
-        launches = self.sup.view.launches
+        launches = self.sup.view().launches
         if not launches:
             return None
         launch = launches[-1]
@@ -240,7 +238,7 @@ class ApiServer:
         ppn = self.sup.cfg.cluster.procs_per_node
 
         def then(generation: int) -> admission.Slice | None:
-            for launch in reversed(self.sup.view.launches):
+            for launch in reversed(self.sup.view().launches):
                 if launch.get("generation") == generation:
                     node_rank = launch.get("nodes", {}).get(node_id)
                     if node_rank is None:
@@ -255,7 +253,7 @@ class ApiServer:
 
     # -- routes ------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
-        view = self.sup.view
+        view = self.sup.view()
         return web.json_response({"ok": True, "state": view.state.value,
                                   "generation": view.generation,
                                   "epoch": self.sup.intake.nodes.epoch})
@@ -335,13 +333,13 @@ class ApiServer:
     async def stop_job(self, request: web.Request) -> web.Response:
         body = await request.read()
         stop = StopRequest() if not body.strip() else await self._parse(request, StopRequest)
-        self.sup.request_stop(stop.reason, checkpoint=stop.checkpoint)
-        return web.json_response({"stopping": True, "state": self.sup.view.state.value})
+        self.sup.request_stop(stop.reason, stop.checkpoint)
+        return web.json_response({"stopping": True, "state": self.sup.view().state.value})
 
     async def profile(self, request: web.Request) -> web.Response:
         req = await self._parse(request, ProfileRequest)
         try:
-            event = await self.sup.profiles.order(req)
+            event = await self.sup.order_profile(req)
         except ProfileRefused as exc:
             return error(exc.status, exc.message)
         return web.json_response(event.fields())
@@ -349,9 +347,9 @@ class ApiServer:
     async def status(self, request: web.Request) -> web.Response:
         from orchestrator.journal.status import build_status
 
-        return web.json_response(build_status(self.sup.view, self.sup.rundir,
+        return web.json_response(build_status(self.sup.view(), self.sup.rundir,
                                               live_nodes=self.sup.intake.nodes,
-                                              ledger=self.sup.books.refresh()))
+                                              ledger=self.sup.ledger()))
 
     async def _parse(self, request: web.Request, model: type[M]) -> M:
         return parse_body(await read_body(request), model, self.api.max_json_depth)
