@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from orchestrator.contracts.state import Cause, JobState, NodeState
-from orchestrator.contracts.worker_events import NoteKind
+from orchestrator.contracts.worker_events import RESERVED_KEYS, NoteKind
 
 # Bounds: generous for what we write, small enough that no message can bloat the journal.
 Text = Annotated[str, StringConstraints(max_length=4096)]
@@ -72,8 +72,6 @@ def _bounded_json(value: Any, depth: int = 0) -> Any:
 Json = Annotated[Any, AfterValidator(_bounded_json)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
 
-# Keys the envelope and the intake own: never accepted inside event data from a node.
-RESERVED_KEYS = frozenset({"seq", "ts", "kind", "generation", "rank", "node_id", "name"})
 
 
 class Event(BaseModel):

@@ -35,9 +35,11 @@ ShortStr = Annotated[str, StringConstraints(max_length=256)]
 Text = Annotated[str, StringConstraints(max_length=4096)]
 Scalar = FiniteFloat | int | bool | None | Text
 
-# Envelope fields of a journal line or an event: never taken from a rank's data.
-RESERVED_KEYS = frozenset({"generation", "rank", "node_id", "kind", "seq", "ts", "name",
-                           "type"})
+# Envelope fields of a journal line or an event: never taken from a node's or a rank's data
+# (``contracts.events`` refuses them in any open event's data too).
+RESERVED_KEYS = frozenset({"generation", "rank", "node_id", "kind", "seq", "ts", "name"})
+# A rank's event data also may not set the agent's observation discriminator.
+RANK_DATA_RESERVED = RESERVED_KEYS | {"type"}
 
 
 class EventData(BaseModel):
@@ -265,7 +267,7 @@ def validate_worker_data(name: str, rank: int, data: dict[str, Any]) -> dict[str
         raise ValueError(f"data keys must be lowercase identifiers, not {bad[0][:40]!r}")
     model = model_for(name)
     allowed = {"rank"} if model is Chaos else set()
-    reserved = sorted(k for k in data if k in RESERVED_KEYS and k not in allowed)
+    reserved = sorted(k for k in data if k in RANK_DATA_RESERVED and k not in allowed)
     if reserved:
         raise ValueError(f"data may not set {', '.join(reserved)} (the supervisor sets them)")
     try:

@@ -149,12 +149,24 @@ def test_the_stack_file_is_named_once():
         "use orchestrator.contracts.rundir.STACKS_DIR and stack_file_name"
 
 
+_ENVELOPE = set(we.RESERVED_KEYS)
+
+
+def test_the_envelope_keys_are_listed_once():
+    assert set(_where(lambda n: _listed(n, _ENVELOPE, 5))) \
+        == {"orchestrator/contracts/worker_events.py"}, \
+        "use orchestrator.contracts.worker_events.RESERVED_KEYS (or RANK_DATA_RESERVED)"
+    assert ev.RESERVED_KEYS is we.RESERVED_KEYS and we.RANK_DATA_RESERVED > we.RESERVED_KEYS
+
+
 def test_the_checks_find_what_they_look_for():
     # Each check recognises the form it forbids, so a pass above is not a check gone blind.
     samples = {
         _silent_threshold: "max(3 * cfg.heartbeat_interval_s, 1.0)",
         _remote_test: '"://" in url and not url.startswith("file://")',
         _stack_file: 'run_dir / "stacks"',
+        lambda n: _listed(n, _ENVELOPE, 5):
+            'frozenset({"seq", "ts", "kind", "generation", "rank", "node_id", "name"})',
     }
     for check, source in samples.items():
         assert any(check(n) for n in ast.walk(ast.parse(source))), source
