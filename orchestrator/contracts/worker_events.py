@@ -69,6 +69,14 @@ class CheckpointFailed(EventData):
     retries: Count | None = None
 
 
+class CheckpointFenced(EventData):
+    """A save or an upload refused by the fence: a newer generation owns the checkpoints."""
+
+    step: Step
+    path: Text | None = None
+    error: Text | None = None
+
+
 class CheckpointPruned(EventData):
     steps: list[Step] = Field(max_length=100_000)
     tier: ShortStr | None = None
@@ -214,6 +222,7 @@ _MODELS: dict[str, type[EventData]] = {
     "checkpoint_upload_retry": CheckpointUploadRetry,
     "checkpoint_upload_failed": CheckpointFailed,
     "checkpoint_upload_skipped": CheckpointUploadSkipped,
+    "checkpoint_fenced": CheckpointFenced,
     "resumed": Resumed,
     "restore_tier": RestoreTier,
     "memory_tier": MemoryTier,

@@ -154,6 +154,17 @@ def test_any_claim_file_parses_or_is_ignored(raw: bytes) -> None:
         assert Claim.parse(claim.to_json()) == claim
 
 
+def _typed(event: tuple[str, dict[str, Any]]) -> None:
+    """The report passes the supervisor's model of its name, and a forged one does not."""
+    from orchestrator.contracts import worker_events as we
+
+    name, data = event
+    assert we.model_for(name) is we.CheckpointFenced
+    assert we.validate_worker_data(name, 0, data)["step"] == data["step"]
+    with pytest.raises(ValueError, match="step"):
+        we.validate_worker_data(name, 0, {**data, "step": -1})
+
+
 def test_a_deposed_uploader_does_not_commit_the_remote_copy(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     remote.mkdir()
@@ -171,6 +182,7 @@ def test_a_deposed_uploader_does_not_commit_the_remote_copy(tmp_path: Path) -> N
     assert up.fenced == [50] and up.uploaded == []
     assert [n for n, _ in events] == ["checkpoint_fenced"]
     assert not (remote / "step-00000050" / layout.MANIFEST).exists()
+    _typed(events[-1])
 
 
 def test_a_deposed_rank_zero_does_not_commit_its_save(tmp_path: Path) -> None:
@@ -199,6 +211,7 @@ def test_a_deposed_rank_zero_does_not_commit_its_save(tmp_path: Path) -> None:
     old.wait()
     assert [n for n, _ in events] == ["checkpoint_committed", "checkpoint_fenced"]
     assert not Path(old.store.primary.step_url(20)).exists()
+    _typed(events[-1])
     assert old.failures_in_a_row == 0  # not a save failure: the worker is on its way out
     new.save(20, state, 0)
     new.wait()
