@@ -52,6 +52,8 @@ from bench.common import header, write  # noqa: E402
 TARGET_KILL_S = 3.0
 TARGET_SAVE_BLOCK_S = 0.2
 
+SDK_SCRIPT = Path(__file__).resolve().parent / "sdk_script.py"
+
 # Profiles: a config, its overrides, the injection steps. ``cpu`` is the embedded default
 # (2 simulated nodes x 1 rank, gloo); ``h200x2`` is 1 node x 2 GPUs over NCCL with the 1.14B
 # model compiled at micro-batch 8 (~0.2 s steps), sized so both jobs end within 8 minutes
@@ -94,6 +96,30 @@ PROFILES: dict[str, dict[str, Any]] = {
                            "timeouts.training_floor_s=2",
                            "timeouts.training_floor_calibrated_s=1",
                            "timeouts.training_multiplier=3", "restart.backoff_initial_s=0.5"]},
+    # A user's own DDP script with ow.recoverable (bench/recovery/sdk_script.py), both paths:
+    # 1 node x 2 GPUs over NCCL, 8 layers of 4096 (134M parameters, 1.6 GB of state a rank),
+    # the memory tier every 10 steps; three SIGKILLs and one SIGSTOP per run.
+    "sdk-gpu2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
+                 "free_steps": 0, "injections": [(150, 1, "SIGKILL"), (300, 0, "SIGKILL"),
+                                                (450, 1, "SIGKILL"), (600, 0, "SIGSTOP")],
+                 "sets": [
+                     "cluster.procs_per_node=2", "trainer.steps=700",
+                     f"job.entrypoint=[python, {SDK_SCRIPT}]",
+                     "job.env={STEPS: '700', HIDDEN: '4096', LAYERS: '8', BATCH: '256'}",
+                     "checkpoint.memory_interval_steps=10",
+                     "checkpoint.memory_max_bytes=34359738368",
+                     "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
+                     "timeouts.training_multiplier=3", "health.preflight=quick",
+                     "restart.backoff_initial_s=0.5"]},
+    # The same on this CPU (2 simulated nodes x 1 rank, gloo), a small model.
+    "sdk-cpu": {"config": None, "kill_step": 0, "stop_step": 0, "free_steps": 0,
+                "injections": [(60, 1, "SIGKILL"), (120, 0, "SIGSTOP")],
+                "sets": [
+                    "trainer.steps=160", f"job.entrypoint=[python, {SDK_SCRIPT}]",
+                    "job.env={STEPS: '160', HIDDEN: '256', LAYERS: '2', BATCH: '32'}",
+                    "checkpoint.memory_interval_steps=10",
+                    "timeouts.training_floor_s=2", "timeouts.training_floor_calibrated_s=1",
+                    "timeouts.training_multiplier=3", "restart.backoff_initial_s=0.5"]},
     # A smoke run of the in-job path on 2 GPUs: a small model, no compile, one kill.
     "gpu2-smoke": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
                    "free_steps": 0, "injections": [(30, 1, "SIGKILL"), (50, 0, "SIGKILL")],
@@ -136,13 +162,19 @@ def breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, 
     health = _first(events, recovering["ts"], kind="transition", to="HEALTH_CHECK")
     launching = _first(events, health["ts"], kind="transition", to="LAUNCHING")
     launched = _first(events, launching["ts"], kind="generation_launched")
-    startup = _first(events, launched["ts"], kind="startup")
+    out.update({"teardown_s": recovering["ts"] - stopping["ts"],
+                "backoff_s": health["ts"] - recovering["ts"],
+                "placement_s": launching["ts"] - health["ts"]})
+    try:
+        startup = _first(events, launched["ts"], kind="startup")
+    except LookupError:  # a script of the user's: no start-up marks, its first step only
+        first = _first(events, launched["ts"], kind="first_step",
+                       generation=launched["generation"])
+        out["total_s"] = (first.get("step_ts") or first["ts"]) - kill
+        return _rounded(out)
     resumed = next((e for e in events if e["kind"] == "resumed"
                     and e.get("generation") == launched["generation"]), {})
     out.update({
-        "teardown_s": recovering["ts"] - stopping["ts"],
-        "backoff_s": health["ts"] - recovering["ts"],
-        "placement_s": launching["ts"] - health["ts"],
         "launch_s": startup["process_start"] - launched["ts"],
         "interpreter_s": startup["main"] - startup["process_start"],
         "imports_s": startup["imports_done"] - startup["main"],

@@ -438,7 +438,8 @@ class Supervisor:
         """In place, or every rank restarted (``supervisor.recovery``); a node that would
         be blamed for one failure too many is replaced by a spare, which a restart does."""
         replace = recovery.failed_ranks(outcome.cause, outcome.detail, self.intake.exits,
-                                         self.cfg.timeouts.heartbeat_interval_s)
+                                         self.cfg.timeouts.heartbeat_interval_s,
+                                         self.cfg.cluster.world_size)
         blamed = self._blame_due(outcome.detail.get("node_id"))
         if blamed:
             return recovery.Path(recovery.RESTART, blamed)

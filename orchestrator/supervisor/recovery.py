@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import Config
-from orchestrator.journal.view import JobView
 from orchestrator.contracts.state import Cause, NodeState
+from orchestrator.journal.view import JobView
 from orchestrator.supervisor.generation.hangs import silent_after_s
+from orchestrator.supervisor.generation.progress import GenerationProgress
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import Placement
-from orchestrator.supervisor.generation.progress import GenerationProgress
 
 IN_JOB = "in_job"
 RESTART = "restart"
@@ -53,7 +53,7 @@ class Path:
 
 
 def failed_ranks(cause: Cause, detail: dict[str, Any], exits: dict[int, dict[str, Any]],
-                 beat_s: float = 0.5) -> list[int]:
+                 beat_s: float = 0.5, world_size: int | None = None) -> list[int]:
     """The ranks a recovery must replace: those that exited with a failure, or, for a hang,
     those that stopped beating (a blocked peer that still beats is a survivor)."""
     if cause is Cause.WORKER_EXIT:
@@ -61,18 +61,24 @@ def failed_ranks(cause: Cause, detail: dict[str, Any], exits: dict[int, dict[str
     if cause is Cause.HANG:
         suspects = detail.get("suspects") or []
         silent = sorted({s["rank"] for s in suspects if s.get("silent")})
-        return silent or _stopped_beating(suspects, beat_s)
+        return silent or _stopped_beating(suspects, beat_s, world_size)
     return []
 
 
-def _stopped_beating(suspects: list[dict[str, Any]], beat_s: float) -> list[int]:
+def _stopped_beating(suspects: list[dict[str, Any]], beat_s: float,
+                     world_size: int | None) -> list[int]:
     """With a short training timeout the hang is judged before a stopped rank's silence
     reaches the silent threshold: the ranks that missed two beats while a peer's beats go
-    on (that peer is blocked in a collective with them, its host is not late)."""
+    on (that peer is blocked in a collective with them, its host is not late). The peer
+    beating may be a suspect too, or not one at all: with steps of milliseconds the stopped
+    rank is judged at the training timeout's floor, before its blocked peer is (a rank that
+    stopped beating at the suspects' step or below is always named with them, so a rank
+    left out still beats)."""
     ages = [(s["rank"], s.get("beat_age_s")) for s in suspects]
     fresh = [r for r, a in ages if a is not None and a <= 1.5 * beat_s]
     stale = sorted({r for r, a in ages if a is not None and a > 2 * beat_s})
-    return stale if fresh and stale else []
+    others_beat = world_size is not None and len({r for r, _ in ages}) < world_size
+    return stale if (fresh or others_beat) and stale else []
 
 
 def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any],

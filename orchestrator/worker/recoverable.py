@@ -36,9 +36,11 @@ the restore's plan and agreement; a starting rank (the replacement, or every ran
 full restart) has made the default group and its own groups before it builds this object,
 which makes the same two groups, and calls :meth:`restore`.
 
-Outside the orchestrator (plain torchrun), or with the memory tier or in-job recovery off,
-:meth:`restore` returns 0, :meth:`step_done` only reports, and :meth:`recover` re-raises:
-the script runs unchanged, with whatever resume it does on its own.
+With ``restart.in_job`` off the state still goes to the memory tier and :meth:`restore`
+reads it (a full restart resumes from memory); only :meth:`recover` re-raises. Outside the
+orchestrator (plain torchrun), or with the memory tier off, :meth:`restore` returns 0,
+:meth:`step_done` only reports, and :meth:`recover` re-raises: the script runs unchanged,
+with whatever resume it does on its own.
 """
 
 from __future__ import annotations
@@ -109,13 +111,19 @@ class Recoverable:
         self.interval = 0
         self.wait_s = ctx.in_job_wait_s or 0.0
         self._prepared = False
-        self.off_reason = self._why_off()
+        self.off_reason = self._why_off()  # why the memory tier is not used (None: it is)
+        self.in_job_off = self.off_reason or (
+            "restart.in_job is off" if ctx.in_job_wait_s is None else None)
         if self.off_reason is None:
             self._start_tier()
+        if self.in_job_off is None:
             worker.injob.enable(self._abort)
             worker.beat_now()  # the supervisor learns at once that this rank can rejoin
+        elif self.off_reason is None:
+            log(f"in-job recovery off ({self.in_job_off}): a failure restarts every rank, "
+                "which resumes from the memory tier")
         else:
-            log(f"in-job recovery off: {self.off_reason}")
+            log(f"in-job recovery and the memory tier off: {self.off_reason}")
 
     # -- set-up ----------------------------------------------------------------------------
     def _why_off(self) -> str | None:
@@ -124,8 +132,6 @@ class Recoverable:
         ctx = self.worker.ctx
         if not ctx.managed:
             return "not running under the orchestrator"
-        if ctx.in_job_wait_s is None:
-            return "restart.in_job is off"
         if not ctx.memory_dir:
             return "the memory tier is off (checkpoint.memory_interval_steps)"
         if not dist.is_initialized():
@@ -277,7 +283,7 @@ class Recoverable:
         from trainer.rejoin import peer_failure
 
         injob = self.worker.injob
-        if self.memory is None or not injob.enabled or not (
+        if self.in_job_off is not None or not injob.enabled or not (
                 injob.pending() is not None or peer_failure(exc)):
             raise exc
         worker = self.worker

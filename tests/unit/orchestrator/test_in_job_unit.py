@@ -202,6 +202,13 @@ def test_the_ranks_to_replace_are_the_failed_or_silent_ones() -> None:
     late = {"suspects": [{"rank": 1, "silent": False, "beat_age_s": 1.2},
                          {"rank": 0, "silent": False, "beat_age_s": 1.1}]}
     assert recovery.failed_ranks(Cause.HANG, late, {}, beat_s=0.5) == []
+    # ...unless a rank of the world is no suspect at all: it still beats (one that stopped
+    # at the suspects' step would be named with them). Steps of milliseconds: the stopped
+    # rank is judged at the floor, its blocked peer not yet.
+    alone = {"suspects": [{"rank": 0, "silent": False, "beat_age_s": 1.02}]}
+    assert recovery.failed_ranks(Cause.HANG, alone, {}, beat_s=0.5, world_size=2) == [0]
+    assert recovery.failed_ranks(Cause.HANG, alone, {}, beat_s=0.5, world_size=1) == []
+    assert recovery.failed_ranks(Cause.HANG, late, {}, beat_s=0.5, world_size=2) == []
     fresh = {"suspects": [{"rank": 1, "silent": False, "beat_age_s": 0.4},
                           {"rank": 0, "silent": False, "beat_age_s": None}]}
     assert recovery.failed_ranks(Cause.HANG, fresh, {}, beat_s=0.5) == []

@@ -59,7 +59,8 @@ def test_outside_the_orchestrator_it_only_reports_and_reraises() -> None:
     notes: list[str] = []
     state = Recoverable(worker, model=net, optimizer=opt, log=notes.append)
     assert not state.enabled and state.off_reason == "not running under the orchestrator"
-    assert notes == ["in-job recovery off: not running under the orchestrator"]
+    said = "in-job recovery and the memory tier off: not running under the orchestrator"
+    assert notes == [said]
     assert state.restore() == 0
     state.step_done(3, loss=0.5)
     assert worker._step == 3 and state.progress.step == 3
@@ -178,3 +179,29 @@ def test_recover_without_an_order_falls_back(managed_rank: dict[str, str]) -> No
         state.recover(own)  # not a peer's failure: the script's error as it was
     assert raised.value is own
     state.close()
+
+
+def test_with_in_job_off_the_state_still_goes_to_memory(managed_rank: dict[str, str]) -> None:
+    """restart.in_job off: a failure restarts every rank, and the restart resumes from the
+    memory tier; only ``recover`` re-raises."""
+    env = {k: v for k, v in managed_rank.items() if k != ec.IN_JOB_WAIT_S}
+    worker = Worker(env=env)
+    net, opt = model_and_optimizer(0)
+    state = Recoverable(worker, model=net, optimizer=opt, log=lambda _m: None, trust=TRUST)
+    assert state.enabled and state.in_job_off == "restart.in_job is off"
+    assert not worker.injob.enabled
+    for step in (1, 2):
+        train(net, opt, step)
+        state.step_done(step)
+    state.close()
+    boom = RuntimeError("Connection reset by peer")
+    with pytest.raises(RuntimeError) as raised:
+        state.recover(boom)
+    assert raised.value is boom
+    net2, opt2 = model_and_optimizer(3)
+    again = Recoverable(Worker(env=env), model=net2, optimizer=opt2, log=lambda _m: None,
+                        trust=TRUST)
+    assert again.restore() == 2
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters(),
+                                                 strict=True))
+    again.close()
