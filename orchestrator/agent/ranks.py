@@ -48,16 +48,25 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def warm_module(entrypoint: list[str]) -> tuple[str, list[str]] | None:
-    """``python [flags] -m MODULE ARGS...`` entrypoints can start in a spare, as (MODULE,
-    ARGS); others cannot. Flags are single-letter interpreter options such as -P or -u."""
+    """What a spare can run of an entrypoint, as (TARGET, ARGS): ``python [flags] -m MODULE
+    ARGS...`` as (MODULE, ARGS), ``python [flags] SCRIPT.py ARGS...`` as (``path:``SCRIPT,
+    ARGS); None for anything else (another program, ``-c``). Flags are single-letter
+    interpreter options such as -P or -u."""
+    if not entrypoint or not os.path.basename(entrypoint[0]).startswith("python"):
+        return None
     for i, word in enumerate(entrypoint[1:], start=1):
         if word == "-m":
             if i + 1 < len(entrypoint):
                 return entrypoint[i + 1], entrypoint[i + 2:]
             return None
+        if word.endswith(".py") and not word.startswith("-"):
+            return PATH_TARGET + word, entrypoint[i + 1:]
         if not (word.startswith("-") and len(word) == 2 and word[1].isalpha()):
             return None
     return None
+
+
+PATH_TARGET = "path:"  # warm_module's mark of a script path (a spare runs it by path)
 
 
 def die_with_parent() -> None:

@@ -99,10 +99,12 @@ class WarmPool:
     @staticmethod
     async def hand_off(proc: Process, module: str, argv: list[str], env: dict[str, str],
                        log: str, *, cwd: str) -> None:
-        """Start the rank in a spare: its environment, argv, working directory and log
-        file, on its stdin."""
+        """Start the rank in a spare: its module (or ``path:SCRIPT``, ``ranks.warm_module``),
+        environment, argv, working directory and log file, on its stdin."""
         assert proc.stdin is not None
-        line = json.dumps({"module": module, "argv": argv, "env": env, "log": log,
+        target = {"path": module.removeprefix("path:")} if module.startswith("path:") \
+            else {"module": module}
+        line = json.dumps({**target, "argv": argv, "env": env, "log": log,
                            "cwd": cwd}) + "\n"
         proc.stdin.write(line.encode())
         await proc.stdin.drain()

@@ -48,7 +48,8 @@ class JobConfig(Section):
         True,
         description=(
             "Keep one pre-imported spare interpreter per rank on every node while training, "
-            "so a restart skips importing torch and the trainer (built-in trainer only)."
+            "so a restart skips importing torch and the trainer (a script of your own, "
+            "`python [flags] SCRIPT.py`: torch and the worker SDK)."
         ),
     )
     framework_hooks: bool = Field(

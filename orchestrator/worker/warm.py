@@ -14,8 +14,9 @@ its local rank (our trainer's creates the device context, loads the compile cach
 page-locks the rank's memory-tier slots); a preparation that fails leaves a plain spare.
 
 Protocol: one JSON line on stdin, ``{"env": {...}, "argv": [...], "module": "trainer",
-"log": "/path/rank-00001.log"}``; the spare points its stdout and stderr at the log, takes
-the environment as its own and runs the module as ``__main__``. End of input without a line
+"log": "/path/rank-00001.log"}`` (or ``"path": "train.py"`` for a user's script); the spare
+points its stdout and stderr at the log, takes the environment as its own and runs the
+module (or the script, its directory first on ``sys.path``) as ``__main__``. End of input without a line
 (the agent went away or retired it) exits quietly. Nothing here touches a GPU before the
 hand-off, so CUDA_VISIBLE_DEVICES and friends still apply.
 """
@@ -67,6 +68,12 @@ def main() -> int:
     # A fresh rank ran the preload hook at interpreter start; a spare started before it
     # had a rank's environment, so it installs the hook now.
     hook.install()
+    if "path" in spec:  # a user's script: run as `python SCRIPT.py` runs it
+        script = os.path.abspath(spec["path"])
+        sys.argv = [spec["path"], *spec.get("argv", [])]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+        return 0
     sys.argv = [spec["module"], *spec.get("argv", [])]
     runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
     return 0

@@ -152,10 +152,11 @@ def test_a_script_with_the_sdk_recovers_in_place(tmp_path: Path, dataset_dir: Pa
     """ow.recoverable: a kill before any memory copy exists cannot be recovered in place
     (the survivor says why and the job restarts in full); a later kill is: the rank whose
     peer died stays alive, rolls back to the step both hold in the memory tier, rebuilds its
-    DDP wrapper in the new group. The job ends bit-identical to an uninterrupted run."""
+    DDP wrapper in the new group, and the replacement runs the script in a warm spare. The
+    job ends bit-identical to an uninterrupted run."""
     cfg = write_config(tmp_path / "job.yaml", dataset_dir,
                        job={"entrypoint": [sys.executable, str(INJOB_SCRIPT)],
-                            "env": {"STEPS": "30", "STEP_S": "0.1"}},
+                            "env": {"STEPS": "30", "STEP_S": "0.1"}, "warm_start": True},
                        restart={"in_job": True},
                        checkpoint={"memory_interval_steps": 4},
                        chaos={"kill": [{"step": 2, "rank": 1}, {"step": 14, "rank": 1}]})
@@ -181,5 +182,8 @@ def test_a_script_with_the_sdk_recovers_in_place(tmp_path: Path, dataset_dir: Pa
     assert st["state"] == "COMPLETED" and st["last_step"] == 30
     rank1 = (run / "logs" / "rank-00001.log").read_text()
     assert "starting at step 12" in rank1  # the replacement restored the same step
+    # It started in the spare (torch imported) the agent kept for its local rank.
+    header = rank1.split("==== generation 4 rank 1 started")[1].splitlines()[0]
+    assert "(warm spare)" in header, header
     final = _final((run / "logs" / "rank-00000.log").read_text())
     assert final == _injob_reference(30)

@@ -20,9 +20,9 @@ from orchestrator.contracts.rundir import is_remote, stack_file_name
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation.hangs import collective_timeout_s
+from orchestrator.supervisor.generation.outcome import Outcome
 from orchestrator.supervisor.intake import Intake, Observation
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.generation.outcome import Outcome
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.stability import StabilityHook
 
@@ -110,10 +110,13 @@ class GenerationParts:
             await nodes.assign(node.node_id, action="idle", generation=None)
 
     def preload(self) -> list[str]:
-        """What a spare interpreter imports ahead of a restart (the built-in trainer's
-        modules; a user's own script gets fresh processes)."""
-        if self.cfg.job.entrypoint or not self.cfg.job.warm_start:
+        """What a spare interpreter imports ahead of a restart: the built-in trainer's
+        modules; for a user's script (``python [flags] SCRIPT.py``) torch and the worker
+        SDK, the imports every such script pays."""
+        if not self.cfg.job.warm_start:
             return []
+        if self.cfg.job.entrypoint:
+            return list(SCRIPT_PRELOAD)
         modules = ["trainer.main", "trainer.build", "trainer.loop"]
         if self.cfg.trainer.parallelism.compile:  # TorchDynamo and Inductor, seconds of them
             modules.append("trainer.warm_compile")
@@ -350,6 +353,10 @@ class GenerationParts:
             if node.stopped_generation != generation and node.state is NodeState.ACTIVE:
                 nodes.move(node, NodeState.LOST, reason="did not confirm the stop in time "
                            f"({limit:.1f} s for {len(waiting)} nodes)")
+
+
+# A script's spare: what any torch training script imports first.
+SCRIPT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "orchestrator.worker")
 
 
 def written_since(folder: str, seen: frozenset[str]) -> set[str]:

@@ -125,10 +125,15 @@ def test_a_spawn_failure_is_reported_as_that_ranks_exit(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("entrypoint", "expected"), [
     (["python", "-m", "trainer"], ("trainer", [])),
     (["python", "-P", "-u", "-m", "trainer", "--config", "x"], ("trainer", ["--config", "x"])),
-    (["python", "train.py", "-m", "x"], None),
+    (["python", "train.py", "-m", "x"], ("path:train.py", ["-m", "x"])),
+    (["/venv/bin/python3", "-u", "/w/t.py"], ("path:/w/t.py", [])),
+    (["python", "-c", "print(1)"], None),
+    (["python", "train.sh"], None),
+    (["bash", "train.py"], None),
+    (["torchrun", "-m", "trainer"], None),
     (["python", "-m"], None),
 ])
-def test_warm_spares_take_module_entrypoints_with_interpreter_flags(entrypoint, expected
+def test_warm_spares_take_module_and_script_entrypoints(entrypoint, expected
                                                                     ) -> None:
     assert warm_module(entrypoint) == expected
 
