@@ -81,6 +81,21 @@ def abort_groups() -> None:
                 pg.abort()
 
 
+def report_recovered(worker: Any, log: Log, step: int, abandoned: int, from_generation: int,
+                     tier: str, marks: tuple[float, float, float, float, float]) -> None:
+    """The ``recovered`` event and log line of a rank back in place at ``step``. ``marks``:
+    the recovery's start, the order's arrival, the abort done, the groups made, the restore
+    done (``time.perf_counter``)."""
+    t0, t_wait, t_abort, t_group, done = marks
+    worker.event("recovered", step=step, abandoned_step=abandoned,
+                 from_generation=from_generation, tier=tier,
+                 wait_s=round(t_wait - t0, 6), abort_s=round(t_abort - t_wait, 6),
+                 group_s=round(t_group - t_abort, 6), restore_s=round(done - t_group, 6),
+                 total_s=round(done - t0, 6))
+    log(f"recovered in place: generation {worker.ctx.generation}, back to step {step} from "
+        f"{abandoned} ({tier} tier) in {done - t0:.2f} s")
+
+
 def leave_groups() -> None:
     """Destroy this process's (aborted) process groups before the next generation's are
     made; the ids of the aborted ones may be reused by the new ones."""
@@ -147,14 +162,8 @@ class Rejoin:
         except Exception as other:
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RejoinFailed(f"in-place recovery failed: {other}") from other
-        done = time.perf_counter()
-        worker.event("recovered", step=p.progress.step, abandoned_step=abandoned,
-                     from_generation=from_generation, tier=tier,
-                     wait_s=round(t_wait - t0, 6), abort_s=round(t_abort - t_wait, 6),
-                     group_s=round(t_group - t_abort, 6), restore_s=round(done - t_group, 6),
-                     total_s=round(done - t0, 6))
-        self.log(f"recovered in place: generation {worker.ctx.generation}, back to step "
-                 f"{p.progress.step} from {abandoned} ({tier} tier) in {done - t0:.2f} s")
+        report_recovered(worker, self.log, p.progress.step, abandoned, from_generation, tier,
+                         (t0, t_wait, t_abort, t_group, time.perf_counter()))
         return True
 
     def _drain(self, p: Any) -> None:

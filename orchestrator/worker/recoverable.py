@@ -280,7 +280,7 @@ class Recoverable:
         rank restored; the script continues from there. Re-raises ``exc`` otherwise, and
         raises :class:`RecoveryFailed` (the rank exits, the job restarts in full) when the
         recovery cannot be done."""
-        from trainer.rejoin import peer_failure
+        from trainer.rejoin import peer_failure, report_recovered
 
         injob = self.worker.injob
         if self.in_job_off is not None or not injob.enabled or not (
@@ -316,14 +316,8 @@ class Recoverable:
         except Exception as other:  # any other error: the same fallback
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RecoveryFailed(f"in-place recovery failed: {other}") from other
-        done = time.perf_counter()
-        worker.event("recovered", step=step, abandoned_step=abandoned,
-                     from_generation=from_generation, tier=tier,
-                     wait_s=round(t_wait - t0, 6), abort_s=round(t_abort - t_wait, 6),
-                     group_s=round(t_group - t_abort, 6), restore_s=round(done - t_group, 6),
-                     total_s=round(done - t0, 6))
-        self.log(f"recovered in place: generation {worker.ctx.generation}, back to step "
-                 f"{step} from {abandoned} in {done - t0:.2f} s")
+        report_recovered(worker, self.log, step, abandoned, from_generation, tier,
+                         (t0, t_wait, t_abort, t_group, time.perf_counter()))
         return step
 
     def _rejoin(self, order: Any) -> None:
