@@ -249,11 +249,12 @@ OTHER_NOTE = "worker_event"
 NoteKind = Literal[NoteName, "worker_event"]  # a note's kind: its name, or OTHER_NOTE
 # Events only rank 0 sends (it commits checkpoints and speaks for the restore): the journal
 # folds them into the job's view (the resume step, the newest checkpoint), so another rank's
-# would be a forgery.
+# would be a forgery. ``startup`` is not among them: it is a note nothing folds, and a
+# replacement rank of an in-job recovery sends its own start-up breakdown whatever its rank.
 RANK0_NAMES = frozenset({"checkpoint_committed", "checkpoint_failed", "checkpoint_pruned",
                          "checkpoint_skipped", "checkpoint_fetched", "checkpoint_upload_retry",
                          "checkpoint_upload_failed", "checkpoint_upload_skipped", "resumed",
-                         "restore_tier", "memory_tier", "startup"})
+                         "restore_tier", "memory_tier"})
 # Keys a data mapping may have at most (a user event is a handful of figures).
 MAX_KEYS = 64
 

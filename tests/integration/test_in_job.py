@@ -76,6 +76,10 @@ def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: 
     assert [e["rank"] for e in recovered] == [0]
     assert recovered[0]["abandoned_step"] >= 17 and recovered[0]["step"] == 10
     assert not [e for e in events if e["kind"] == "ranks_stopped"]
+    # The replacement's start-up breakdown is its own to send (rank 1's): nothing refused.
+    assert [e["rank"] for e in events if e["kind"] == "startup" and e["generation"] == 2] \
+        == [1]
+    assert not [e for e in events if e["kind"] == "message_rejected"]
     # The replacement started in the warm standby the agent kept for local rank 0.
     log = (run / "logs" / "rank-00001.log").read_text()
     assert "generation 2 rank 1 started" in log and "(warm spare)" in log.split(

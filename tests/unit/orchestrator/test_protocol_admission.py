@@ -119,6 +119,9 @@ def test_exits_only_for_the_nodes_own_ranks() -> None:
     assert check_events("local-1", _events("local-1", worker), RUNNING, LIMITS) is not None
     note = {**worker, "name": "eval_done", "data": {"acc": 0.5}}
     assert check_events("local-1", _events("local-1", note), RUNNING, LIMITS) is None
+    # A replacement rank of an in-job recovery reports its own start-up breakdown.
+    startup = {**worker, "name": "startup", "data": {"process_start": 1.0, "first_step_done": 9.0}}
+    assert check_events("local-1", _events("local-1", startup), RUNNING, LIMITS) is None
     stopped = {"type": "ranks_stopped", "generation": 5, "ts": 1.0}
     assert check_events("local-1", _events("local-1", stopped), RUNNING, LIMITS) is None
     assert check_events("local-1", _events("local-0", stopped), RUNNING, LIMITS) is not None
