@@ -47,9 +47,8 @@ class JobConfig(Section):
     warm_start: bool = Field(
         True,
         description=(
-            "Keep one pre-imported spare interpreter per rank on every node while training, "
-            "so a restart skips importing torch and the trainer (a script of your own, "
-            "`python [flags] SCRIPT.py`: torch and the worker SDK)."
+            "Keep one pre-imported spare interpreter per rank on every node while training: a "
+            "restart skips importing torch and the trainer (a SCRIPT.py's: torch, the SDK)."
         ),
     )
     framework_hooks: bool = Field(
