@@ -11,9 +11,11 @@ itself and for the ranks of its slice of the current generation (the newest laun
   slice is empty); a generation not launched yet is refused (no exit can be sent ahead for
   a generation to come);
 - generations are fenced: a rank start, a worker event or a step record for any generation
-  but the current one is refused. The one exception is the late report the supervisor asked
-  for when it stopped an older generation: an exit of one of the node's ranks of that
-  generation, or the node's stop confirmation (intake folds neither into the current one);
+  but the current one is refused. The exceptions are late reports of an older generation,
+  which intake folds nowhere into the current one: an exit of one of the node's ranks of
+  that generation or the node's stop confirmation (the stop of that generation asks for
+  them), and step records from the node that held rank 0 in it (a beat sent before the node
+  heard of the newer launch; an in-place recovery keeps rank 0 beating through it);
 - step records are rank 0's (``orchestrator.contracts.steprecord``): only the node holding rank 0 of
   the current generation sends them; and the events that speak for the checkpoints and the
   restore (``worker_events.RANK0_NAMES``) are rank 0's too;
@@ -110,19 +112,24 @@ def check_register(principal: str, req: RegisterRequest, known: KnownNode | None
 
 
 def check_heartbeat(principal: str, hb: Heartbeat, current: Slice | None,
-                    limits: Limits) -> Refusal | None:
+                    limits: Limits, past: PastSlice = _no_past) -> Refusal | None:
     refusal = check_node_id(principal, hb.node_id)
     if refusal is not None:
         return refusal
     if hb.records:
-        refusal = _records(principal, hb.generation, current)
+        refusal = _records(principal, hb.generation, current, past)
         if refusal is not None:
             return refusal
     return _ranks(principal, hb.generation, hb.ranks, current, limits)
 
 
 def _records(principal: str, generation: int | None, current: Slice | None,
-             ) -> Refusal | None:
+             past: PastSlice) -> Refusal | None:
+    if current is not None and generation is not None and generation < current.generation:
+        # Late: sent before the node heard of the newer launch (see the module's docstring).
+        then = past(generation)
+        if then is not None and then.lo <= RECORDS_RANK < then.hi:
+            return None
     if current is None or generation != current.generation:
         return _forged(f"node {principal}: step records of generation {generation}; the "
                        f"current generation is {None if current is None else current.generation}")

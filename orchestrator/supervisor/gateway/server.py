@@ -289,7 +289,8 @@ class ApiServer:
         for a node that is not registered."""
         if hb.node_id == node:
             self._registered(node)
-        refusal = admission.check_heartbeat(node, hb, self._slice(node), self._limits())
+        refusal = admission.check_heartbeat(node, hb, self._slice(node), self._limits(),
+                                            self._past(node))
         if refusal is not None:
             self.sup.intake.reject(node, "heartbeat", refusal.reason)
             return refusal.status, {"error": refusal.reason}

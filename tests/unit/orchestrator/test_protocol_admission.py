@@ -82,6 +82,31 @@ def test_heartbeats_only_for_the_nodes_own_ranks() -> None:
     assert check_heartbeat("spare-0", _hb("spare-0", None, 0), SPARE, LIMITS) is not None
 
 
+def test_step_records_are_rank_0s_and_late_ones_only_from_its_holder_then() -> None:
+    records = [{"step": 17, "loss": 1.5}]
+    # local-0 holds ranks 0-1 of generation 5; in generation 4 it held 0-1 as well, while
+    # local-1 held 2-3 (so rank 0's records were never local-1's to send).
+    holder = Slice(generation=5, lo=0, hi=2)
+    then = {4: Slice(4, 0, 2)}.get
+    then_1 = {4: Slice(4, 2, 4)}.get
+    beat = Heartbeat(node_id="local-0", generation=5, records=records)
+    assert check_heartbeat("local-0", beat, holder, LIMITS) is None
+    refusal = check_heartbeat("local-1", beat.model_copy(update={"node_id": "local-1"}),
+                              RUNNING, LIMITS)
+    assert refusal is not None and "rank 0's" in refusal.reason
+    # A beat sent just before the node heard of generation 5 (an in-place recovery keeps
+    # rank 0 beating through the launch): late, not forged; intake folds it nowhere.
+    late = beat.model_copy(update={"generation": 4})
+    assert check_heartbeat("local-0", late, holder, LIMITS, then) is None
+    # ...but only from the node that held rank 0 then, and only for a launched generation.
+    for past in (then_1, {}.get):
+        refusal = check_heartbeat("local-0", late, holder, LIMITS, past)
+        assert refusal is not None and "generation 4" in refusal.reason
+    ahead = beat.model_copy(update={"generation": 6})
+    assert check_heartbeat("local-0", ahead, holder, LIMITS, then) is not None
+    assert check_heartbeat("local-0", late, None, LIMITS, then) is not None
+
+
 def test_calibration_is_bounded() -> None:
     ok = _hb("local-1", 5, 2, interval=3600.0)
     assert check_heartbeat("local-1", ok, RUNNING, LIMITS) is None
