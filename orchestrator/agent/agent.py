@@ -326,8 +326,11 @@ class Agent:
             self.health.order(a)
             return
         self.health.cancel()
+        # In place even when none of this node's ranks is left (its only rank died and
+        # was reaped before the order came): the ones started are replacements all the
+        # same, and the node's memory-tier slots hold the state the job rolls back to.
         if a.action == "run" and a.generation != current and a.in_place and \
-                self.ranks is not None and self.ranks.alive:
+                self.ranks is not None and not self.ranks.stopping:
             await self._recover_in_place(a)
         elif a.action == "run" and a.generation != current:
             await self._stop_ranks(report=False)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,41 @@ def test_a_supervisor_whose_drive_ends_stops_its_root_tasks(tmp_path: Path) -> N
     sup.books.run = books  # type: ignore[method-assign]
     asyncio.run(sup.run())
     assert ended == ["books"]
+
+
+def test_an_in_place_order_for_a_node_whose_ranks_are_all_gone_starts_replacements(
+        tmp_path: Path) -> None:
+    """A node whose only rank died and was reaped before the in-place order came still
+    takes the order in place: its new rank is a replacement (its start-up breakdown is its
+    own to send; the node's memory slots are kept, not provisioned anew). Taken as a fresh
+    start, under CPU load, the replacement's breakdown went missing from the journal."""
+    said = ("import os, sys; print('replacement=' + os.environ.get('ORCH_REPLACEMENT', '-'),"
+            " 'generation=' + os.environ.get('ORCH_GENERATION', '-'), flush=True)")
+
+    def order(generation: int, **extra: object) -> Assignment:
+        return Assignment(action="run", version=generation, generation=generation,
+                          node_rank=0, nproc=1, world_size=1, master_addr="127.0.0.1",
+                          master_port=29999, entrypoint=[sys.executable, "-c", said],
+                          env={"ORCH_GENERATION": str(generation)}, **extra)
+
+    async def scenario() -> list[tuple[int | None, int | None]]:
+        agent = Agent("http://127.0.0.1:9", "token", "n0", addr="127.0.0.1", procs=1,
+                      run_dir=tmp_path)
+        await agent._reconcile(order(1))  # noqa: SLF001 - the assignment handler itself
+        first = agent.ranks
+        assert first is not None
+        while first.alive:  # the rank exits at once and is reaped
+            await asyncio.sleep(0.05)
+        await agent._reconcile(order(2, in_place=True, replace=[0]))  # noqa: SLF001
+        assert agent.ranks is first and agent.ranks.generation == 2
+        while agent.ranks.alive:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # the exit's report
+        return [(e["generation"], e["exit_code"]) for e in agent._events  # noqa: SLF001
+                if e.get("type") == "rank_exit"]
+
+    assert asyncio.run(scenario()) == [(1, 0), (2, 0)]
+    log = (tmp_path / "logs" / "rank-00000.log").read_text()
+    assert "replacement=- generation=1" in log
+    assert "(replacing a failed rank in place)" in log
+    assert "replacement=1 generation=2" in log
