@@ -16,9 +16,9 @@ from aiohttp import web
 
 from orchestrator.agent.agent import Agent
 from orchestrator.agent.ranks import EXIT_NOT_FOUND, Rank, RankSet, RankSetup, warm_module
-from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.config.schema import Config
 from orchestrator.contracts.protocol import Assignment
+from orchestrator.roottasks import RootTaskFailed, RootTasks
 
 
 def test_the_first_failing_root_task_stops_the_others_and_raises() -> None:
@@ -215,18 +215,23 @@ def test_an_in_place_order_for_a_node_whose_ranks_are_all_gone_starts_replacemen
     async def scenario() -> list[tuple[int | None, int | None]]:
         agent = Agent("http://127.0.0.1:9", "token", "n0", addr="127.0.0.1", procs=1,
                       run_dir=tmp_path)
-        await agent._reconcile(order(1))  # noqa: SLF001 - the assignment handler itself
+        await agent._reconcile(order(1))
         first = agent.ranks
         assert first is not None
-        while first.alive:  # the rank exits at once and is reaped
-            await asyncio.sleep(0.05)
-        await agent._reconcile(order(2, in_place=True, replace=[0]))  # noqa: SLF001
+        async with asyncio.timeout(60):  # the rank exits at once and is reaped
+            while first.alive:
+                await asyncio.sleep(0.05)
+        await agent._reconcile(order(2, in_place=True, replace=[0]))
         assert agent.ranks is first and agent.ranks.generation == 2
-        while agent.ranks.alive:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # the exit's report
-        return [(e["generation"], e["exit_code"]) for e in agent._events  # noqa: SLF001
-                if e.get("type") == "rank_exit"]
+        def exits() -> list[tuple[int | None, int | None]]:
+            return [(e["generation"], e["exit_code"]) for e in agent._events
+                    if e.get("type") == "rank_exit"]
+
+        async with asyncio.timeout(60):  # both exits reported, each once
+            while len(exits()) < 2 or agent.ranks.alive:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        return exits()
 
     assert asyncio.run(scenario()) == [(1, 0), (2, 0)]
     log = (tmp_path / "logs" / "rank-00000.log").read_text()
