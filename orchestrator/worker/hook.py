@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 import threading
 import weakref
 from collections.abc import MutableMapping
@@ -55,6 +56,8 @@ class StepCounter:
         self.steps = 0
 
     def __call__(self, optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
+        if _creating_state_for_dcp():
+            return
         with self._lock:
             n = self._counts.get(optimizer, 0) + 1
             self._counts[optimizer] = n
@@ -67,6 +70,25 @@ class StepCounter:
                 self._on_resume(before - 1)
         if advanced:
             self._on_step(n)
+
+
+# DCP's state-dict helpers (``get_/set_optimizer_state_dict``, used by torchtitan, Lightning's
+# FSDP2 path and our trainer) create an empty optimizer's state by stepping it once with zero
+# gradients and lr 0. That is no training step: counted, every rank said it resumed from
+# step 0, and a stateless optimizer's (SGD's) count grew by one at every save.
+_DCP_INIT = ("_init_optim_state", "torch.distributed.checkpoint.state_dict")
+_DCP_INIT_DEPTH = 8  # frames between the step's post hooks and the helper that stepped
+
+
+def _creating_state_for_dcp() -> bool:
+    frame = sys._getframe(2)  # past this function and the hook's __call__
+    for _ in range(_DCP_INIT_DEPTH):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name, frame.f_globals.get("__name__")) == _DCP_INIT:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def optimizer_state_step(optimizer: Any) -> int | None:

@@ -40,6 +40,50 @@ def test_the_hook_reports_what_the_optimizer_had_done_before_this_process() -> N
     assert optimizer_state_step(plain) is None  # SGD keeps no step: nothing to compare
 
 
+def test_the_state_dcp_creates_with_a_zero_step_is_no_training_step() -> None:
+    """DCP's state-dict helpers step an empty optimizer once (zero gradients, lr 0) to
+    create its state; through the real global hook, that step is neither counted nor taken
+    for a resume. A plain SGD's state-dict at every save does it again."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    source_model = torch.nn.Linear(2, 1)  # a snapshot's optimizer, 7 steps in
+    source = torch.optim.Adam(source_model.parameters())
+    for _ in range(7):
+        source_model(torch.ones(1, 2)).sum().backward()
+        source.step()
+    resumed: list[int] = []
+    steps: list[int] = []
+    handle = register_optimizer_step_post_hook(StepCounter(steps.append, resumed.append))
+    try:
+        saved = get_optimizer_state_dict(source_model, source)
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.Adam(model.parameters())
+        set_optimizer_state_dict(model, opt, saved)  # steps ``opt`` once to create its state
+        assert steps == [] and resumed == []
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        assert steps == [1] and resumed == [7]
+
+        counted = StepCounter(steps.append)  # a process of its own: counts from 0
+        handle.remove()
+        handle = register_optimizer_step_post_hook(counted)
+        steps.clear()
+        plain_model = torch.nn.Linear(2, 1)
+        plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+        for _ in range(3):
+            plain_model(torch.ones(1, 2)).sum().backward()
+            plain.step()
+            plain.zero_grad()
+            get_optimizer_state_dict(plain_model, plain)  # a save: a zero step each time
+        assert steps == [1, 2, 3]
+    finally:
+        handle.remove()
+
+
 def test_once_per_generation_at_the_first_disagreement() -> None:
     check = ResumeCheck()
     check.begin(2)
