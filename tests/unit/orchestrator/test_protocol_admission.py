@@ -107,6 +107,21 @@ def test_step_records_are_rank_0s_and_late_ones_only_from_its_holder_then() -> N
     assert check_heartbeat("local-0", late, None, LIMITS, then) is not None
 
 
+@settings(max_examples=300, deadline=None)
+@given(sent=st.integers(0, 8), current=st.integers(1, 8),
+       holders=st.dictionaries(st.integers(1, 8), st.sampled_from([(0, 2), (2, 4), (0, 0)])))
+def test_records_pass_only_from_the_holder_of_rank_0_then(sent: int, current: int,
+                                                         holders: dict) -> None:
+    """Any generation a beat's records name, any launch history: accepted exactly when the
+    node held rank 0 in that generation, and it is the current one or an older one."""
+    slices = {g: Slice(g, lo, hi) for g, (lo, hi) in holders.items() if g <= current}
+    now = slices.get(current, Slice(current))
+    beat = Heartbeat(node_id="local-0", generation=sent, records=[{"step": 3}])
+    refusal = check_heartbeat("local-0", beat, now, LIMITS, slices.get)
+    held = sent in slices and slices[sent].lo <= 0 < slices[sent].hi
+    assert (refusal is None) == (held and sent <= current), (sent, current, slices)
+
+
 def test_calibration_is_bounded() -> None:
     ok = _hb("local-1", 5, 2, interval=3600.0)
     assert check_heartbeat("local-1", ok, RUNNING, LIMITS) is None
