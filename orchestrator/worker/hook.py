@@ -74,8 +74,8 @@ class StepCounter:
 
 # DCP's state-dict helpers (``get_/set_optimizer_state_dict``, used by torchtitan, Lightning's
 # FSDP2 path and our trainer) create an empty optimizer's state by stepping it once with zero
-# gradients and lr 0. That is no training step: counted, every rank said it resumed from
-# step 0, and a stateless optimizer's (SGD's) count grew by one at every save.
+# gradients and lr 0. That is no training step: counted, it would make every rank report a
+# resume from step 0, and a stateless optimizer's (SGD's) count grow by one at every save.
 _DCP_INIT = ("_init_optim_state", "torch.distributed.checkpoint.state_dict")
 _DCP_INIT_DEPTH = 8  # frames between the step's post hooks and the helper that stepped
 
