@@ -2,7 +2,9 @@
 
 Ranks send ``beat`` lines (their latest progress and step records) and ``event`` lines
 (checkpoint committed, ...). The agent keeps the newest beat of each rank and the step
-records not yet relayed; events are handed on at once. A ``key`` line asks the agent to sign
+records not yet relayed; events are handed on at once. An event line with ``"ack": true``
+(a rank's last words before it signals itself) is answered with an ``ack`` line once the
+event is queued. A ``key`` line asks the agent to sign
 or check a manifest (``orchestrator.worker.keyclient``): it is answered on its connection,
 with the pid at the other end of it (``SO_PEERCRED``) saying who asks.
 
@@ -33,10 +35,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from orchestrator.contracts import readback
-from orchestrator.logs import get_logger
 from orchestrator.contracts.protocol import MAX_STEP_INTERVAL_S, Generation, Phase, Pid, Rank, Step
-from orchestrator.worker.keyclient import MAX_LINE, KeyReply, key_line
 from orchestrator.contracts.worker_events import Timestamp
+from orchestrator.logs import get_logger
+from orchestrator.worker.keyclient import MAX_LINE, KeyReply, key_line
+from orchestrator.worker.sdk import ACK_LINE
 
 # Records held for the supervisor while it is unreachable; beyond this the oldest are
 # dropped (they are in the worker's own logs; the stream resumes when it is back).
@@ -235,6 +238,12 @@ class LocalSocketServer:
                 if isinstance(msg, dict) and msg.get("t") == "key":
                     pid = peer_pid(writer.get_extra_info("socket"))
                     writer.write(key_line(self.keys(msg, pid)))
+                    continue
+                if isinstance(msg, dict) and msg.get("t") == "event" and msg.get("ack") is True:
+                    # Queued by ``handle`` (synchronously) before the answer is written: the
+                    # rank's exit, which can only follow the answer, is queued after it.
+                    self.hub.handle(msg)
+                    writer.write(ACK_LINE)
                     continue
                 if isinstance(msg, dict):
                     rank = self.hub.handle(msg)

@@ -160,7 +160,9 @@ def arm_worker(worker: Any, plan: ChaosPlan, rank: int,
         if due is None:
             return
         worker.beat_now()  # the supervisor sees the step the kill landed on
-        worker.event("chaos", **due.model_dump())  # marks it fired before we die
+        # Marks it fired before we die: acknowledged, so the supervisor has it before our
+        # exit and does not plan this kill again for the generation that replaces us.
+        worker.event_acknowledged("chaos", **due.model_dump())
         kill(os.getpid(), getattr(signal, due.signal))
 
     worker.on_step(after_step)

@@ -42,6 +42,8 @@ from orchestrator.worker.profiling import BadOrder, ProfileOrder, ProfileSession
 _SUMMARY_STEPS = 20
 # Records buffered while the agent is unreachable; the oldest are dropped past this.
 _MAX_RECORDS = 20_000
+# How long ``event_acknowledged`` waits for the agent to say it holds the event.
+_ACK_TIMEOUT_S = 2.0
 # How long the order thread waits on the socket at a time: an in-job recover order is acted
 # on (its aborts run) within this much of arriving, not a heartbeat interval later.
 _ORDER_POLL_S = 0.05
@@ -49,6 +51,8 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 # The supervisor's request for a checkpoint at the next step boundary (an operator's stop):
 # the handler only sets a flag; the training loop reads ``checkpoint_requested``.
 CHECKPOINT_REQUEST_SIGNAL = signal.SIGUSR2
+# The agent's answer to an event line that asks for one (``event_acknowledged``).
+ACK_LINE = b'{"t": "ack"}\n'
 
 
 @dataclass(frozen=True)
@@ -326,8 +330,39 @@ class Worker:
 
     def event(self, name: str, **data: Any) -> None:
         """Send an event now (checkpoint committed, ...); dropped when unmanaged."""
-        self._send({"t": "event", "rank": self.ctx.rank, "generation": self.ctx.generation,
-                    "name": name, "data": _plain(data), "ts": self._clock()})
+        self._send(self._event_line(name, data))
+
+    def event_acknowledged(self, name: str, **data: Any) -> bool:
+        """Send a rank's last words: an event the agent has queued for the supervisor
+        before this returns True, so that whatever the agent learns after it (this
+        process's exit) reaches the supervisor after it. The agent reads a rank's beat
+        connection when its loop gets to it, and a dying process is reported as soon as
+        it is exiting, so a plain ``event`` written just before a rank signals itself can
+        reach the supervisor after the exit. Sent on a connection of its own, answered
+        with an ``ack`` line; False when unmanaged or unanswered within
+        ``_ACK_TIMEOUT_S`` (an agent that predates acks)."""
+        if not self._socket_path:
+            return False
+        line = (json.dumps({**self._event_line(name, data), "ack": True}, default=str)
+                + "\n").encode()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(_ACK_TIMEOUT_S)
+                s.connect(self._socket_path)
+                s.sendall(line)
+                answer = b""
+                while not answer.endswith(b"\n") and len(answer) < len(ACK_LINE):
+                    chunk = s.recv(len(ACK_LINE) - len(answer))
+                    if not chunk:
+                        break
+                    answer += chunk
+        except OSError:
+            return False
+        return answer == ACK_LINE
+
+    def _event_line(self, name: str, data: Mapping[str, Any]) -> dict[str, Any]:
+        return {"t": "event", "rank": self.ctx.rank, "generation": self.ctx.generation,
+                "name": name, "data": _plain(data), "ts": self._clock()}
 
     # -- the beat thread ---------------------------------------------------------------------
     def _beat_loop(self) -> None:

@@ -85,8 +85,9 @@ class FakeWorker:
     def beat_now(self) -> None:
         self.calls.append("beat")
 
-    def event(self, name: str, **data: Any) -> None:
+    def event_acknowledged(self, name: str, **data: Any) -> bool:
         self.calls.append((name, data))
+        return True
 
 
 def test_a_kill_lands_right_after_its_step_on_its_rank_only() -> None:

@@ -112,3 +112,50 @@ def test_beats_and_events_reach_the_agent_socket() -> None:
     assert generation == 2 and [r["step"] for r in records] == [1, 2]
     assert records[0]["loss"] == 2.5
     assert events and events[0]["name"] == "checkpoint_committed"
+
+
+def test_an_acknowledged_event_is_queued_by_the_agent_before_the_call_returns() -> None:
+    """A rank's last words (a chaos kill's ``chaos`` event) must reach the supervisor before
+    its exit, which the agent reports as soon as the process is exiting: the call returns
+    True only once the agent's handler has the event, behind whatever the rank's beat
+    connection still holds unread."""
+    events: list[dict] = []
+    held_at_return: list[int] = []
+
+    async def scenario() -> None:
+        hub = LocalHub(on_event=events.append)
+        server = LocalSocketServer(hub)
+        await server.start()
+        w = Worker(env={"RANK": "1", "ORCH_AGENT_SOCKET": server.path,
+                        "ORCH_GENERATION": "3"})
+
+        def last_words() -> bool:
+            ok = w.event_acknowledged("chaos", id="kill-1", step=7)
+            held_at_return.append(len(events))
+            return ok
+
+        assert await asyncio.to_thread(last_words)
+        # Unmanaged (no agent socket), and an agent that never answers: False, bounded.
+        assert not Worker(env={"RANK": "1"}).event_acknowledged("chaos", id="kill-1")
+        await server.close()
+
+    asyncio.run(scenario())
+    assert held_at_return == [1]
+    assert events[0]["name"] == "chaos" and events[0]["rank"] == 1
+    assert events[0]["generation"] == 3 and events[0]["data"] == {"id": "kill-1", "step": 7}
+
+
+def test_an_agent_that_does_not_answer_acks_costs_a_bounded_wait(tmp_path, monkeypatch) -> None:
+    import socket
+
+    from orchestrator.worker import sdk
+
+    monkeypatch.setattr(sdk, "_ACK_TIMEOUT_S", 0.3)
+    path = str(tmp_path / "mute.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+        mute.bind(path)
+        mute.listen(1)  # accepts the connection, never reads, never answers
+        start = time.monotonic()
+        assert not Worker(env={"RANK": "0", "ORCH_AGENT_SOCKET": path}).event_acknowledged(
+            "chaos", id="kill-0")
+        assert time.monotonic() - start < 5.0
