@@ -8,6 +8,8 @@ learning rate, the skip-step verdict's inputs, progress and the step record. The
 from __future__ import annotations
 
 import math
+import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -160,7 +162,8 @@ def _one_step(p: Parts, first: bool) -> bool:
     if first and p.startup is not None and (p.dctx.is_main or p.replacement):
         # Where a (re)start's seconds went: process start, imports, process group,
         # build + restore, first step (the recovery benchmark reads this).
-        p.worker.event("startup", first_step_done=time.time(), **p.startup)
+        p.worker.event("startup", first_step_done=time.time(), **p.startup,
+                       **first_compile_seconds())
     if first:  # the optimizer's state exists now: the saves' staging can be allocated
         p.checkpointer.prepare_staging(p.checkpoint_state)
         if p.memory is not None:
@@ -197,7 +200,11 @@ def _one_step(p: Parts, first: bool) -> bool:
             waited = time.perf_counter() - t0
             rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
                                                       p.progress.tokens) + waited
-    if p.memory is not None and (step % p.memory_interval == 0 or stop):
+    # No memory copy of the last step: a memory copy serves the in-place recovery of a
+    # later step, and there is none (a resume reads the final durable save). A step that
+    # saves to both tiers blocks training the longest.
+    if p.memory is not None and (step % p.memory_interval == 0 and step != cfg.steps
+                                 or stop):
         with p.worker.phase("checkpointing"):
             # Both tiers at one step: the memory copy comes from the durable save's host
             # staging, in the background (one device-to-host copy blocks training).
@@ -227,6 +234,29 @@ def _one_step(p: Parts, first: bool) -> bool:
     if stop and p.dctx.is_main:
         p.log(f"stopping after step {step}: the operator's stop asked for a checkpoint")
     return stop
+
+
+# How many of the compiler's timed phases a start-up event carries (the longest).
+_COMPILE_PHASES = 16
+
+
+def first_compile_seconds() -> dict[str, float]:
+    """Where a (re)started rank's first compiled step went: the compiler's own timed phases
+    (TorchDynamo's ``compilation_time_metrics``: tracing, AOTAutograd, Inductor, cache
+    loads), summed per phase, the longest ``_COMPILE_PHASES`` as ``compile_<phase>``
+    seconds. Empty when nothing was compiled (TorchDynamo not imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo import utils
+
+    metrics = getattr(utils, "compilation_time_metrics", None)
+    if not isinstance(metrics, dict):
+        return {}
+    totals = {str(k): sum(float(t) for t in v) for k, v in metrics.items()
+              if isinstance(v, list) and v}
+    longest = sorted(totals.items(), key=lambda kv: -kv[1])[:_COMPILE_PHASES]
+    return {"compile_" + re.sub(r"[^a-z0-9]+", "_", k.lower()).strip("_")[:64]: round(v, 4)
+            for k, v in longest if v >= 0}
 
 
 # Steps after which every graph of the step is compiled (the first step compiles forward and

@@ -191,6 +191,10 @@ def breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, 
              "built_model", "built_optimizer", "loaded_state", "built"]
     seen = [m for m in marks if isinstance(startup.get(m), int | float)]
     out["build_parts_s"] = {b: round(startup[b] - startup[a], 3) for a, b in itertools.pairwise(seen)}
+    # The first step's compile, by the compiler's own timed phases (nested: each includes
+    # the ones it calls), where the rank compiled.
+    out["first_step_compile_s"] = {k.removeprefix("compile_"): v for k, v in startup.items()
+                                   if k.startswith("compile_") and isinstance(v, int | float)}
     exits = [x for e in events if e["ts"] >= kill and e["kind"] in ("rank_exited", "ranks_exited")
              for x in (e.get("exits") or [e]) if isinstance(x.get("exit_ts"), int | float)]
     if exits:
@@ -236,7 +240,10 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
             "imports_s": st["imports_done"] - st["main"],
             "dist_init_s": st["dist_ready"] - st["imports_done"],
             "build_load_s": st["built"] - st["dist_ready"],
-            "first_step_s": st["first_step_done"] - st["built"]}
+            "first_step_s": st["first_step_done"] - st["built"],
+            "first_step_compile_s": {k.removeprefix("compile_"): v for k, v in st.items()
+                                     if k.startswith("compile_")
+                                     and isinstance(v, int | float)}}
     return _rounded(out)
 
 

@@ -1,0 +1,34 @@
+"""The compile phases a (re)started rank's ``startup`` event carries: the compiler's own
+timed phases, summed, the longest first, in the journal's ``Startup`` bounds."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from orchestrator.contracts.worker_events import Startup
+from trainer import loop
+
+
+def test_no_compile_no_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    assert loop.first_compile_seconds() == {}
+
+
+def test_the_longest_phases_summed_and_named_for_the_journal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo import utils
+
+    metrics = {f"phase.{i}": [0.01 * i] for i in range(20)}
+    metrics["_compile.compile_inner"] = [1.25, 2.0]
+    metrics["OutputGraph.call_user_compiler"] = [3.0]
+    metrics["empty"] = []
+    monkeypatch.setattr(utils, "compilation_time_metrics", metrics)
+    out = loop.first_compile_seconds()
+    assert len(out) == loop._COMPILE_PHASES
+    assert out["compile_phase_19"] == 0.19 and out["compile_compile_compile_inner"] == 3.25
+    assert "compile_outputgraph_call_user_compiler" in out and "compile_empty" not in out
+    assert "compile_phase_0" not in out  # 0 s: not among the longest
+    event = Startup(first_step_done=1.7e9, **out)
+    assert event.model_extra == out
