@@ -243,7 +243,7 @@ _COMPILE_PHASES = 16
 def first_compile_seconds() -> dict[str, float]:
     """Where a (re)started rank's first compiled step went: the compiler's own timed phases
     (TorchDynamo's ``compilation_time_metrics``: tracing, AOTAutograd, Inductor, cache
-    loads), summed per phase, the longest ``_COMPILE_PHASES`` as ``compile_<phase>``
+    loads), summed per phase, the longest ``_COMPILE_PHASES`` as ``compile_phase_<name>``
     seconds. Empty when nothing was compiled (TorchDynamo not imported)."""
     if "torch._dynamo" not in sys.modules:
         return {}
@@ -255,7 +255,7 @@ def first_compile_seconds() -> dict[str, float]:
     totals = {str(k): sum(float(t) for t in v) for k, v in metrics.items()
               if isinstance(v, list) and v}
     longest = sorted(totals.items(), key=lambda kv: -kv[1])[:_COMPILE_PHASES]
-    return {"compile_" + re.sub(r"[^a-z0-9]+", "_", k.lower()).strip("_")[:64]: round(v, 4)
+    return {"compile_phase_" + re.sub(r"[^a-z0-9]+", "_", k.lower()).strip("_")[:64]: round(v, 4)
             for k, v in longest if v >= 0}
 
 

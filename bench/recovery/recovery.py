@@ -193,8 +193,8 @@ def breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, 
     out["build_parts_s"] = {b: round(startup[b] - startup[a], 3) for a, b in itertools.pairwise(seen)}
     # The first step's compile, by the compiler's own timed phases (nested: each includes
     # the ones it calls), where the rank compiled.
-    out["first_step_compile_s"] = {k.removeprefix("compile_"): v for k, v in startup.items()
-                                   if k.startswith("compile_") and isinstance(v, int | float)}
+    out["first_step_compile_s"] = {k.removeprefix("compile_phase_"): v for k, v in startup.items()
+                                   if k.startswith("compile_phase_") and isinstance(v, int | float)}
     exits = [x for e in events if e["ts"] >= kill and e["kind"] in ("rank_exited", "ranks_exited")
              for x in (e.get("exits") or [e]) if isinstance(x.get("exit_ts"), int | float)]
     if exits:
@@ -241,8 +241,8 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
             "dist_init_s": st["dist_ready"] - st["imports_done"],
             "build_load_s": st["built"] - st["dist_ready"],
             "first_step_s": st["first_step_done"] - st["built"],
-            "first_step_compile_s": {k.removeprefix("compile_"): v for k, v in st.items()
-                                     if k.startswith("compile_")
+            "first_step_compile_s": {k.removeprefix("compile_phase_"): v for k, v in st.items()
+                                     if k.startswith("compile_phase_")
                                      and isinstance(v, int | float)}}
     return _rounded(out)
 
