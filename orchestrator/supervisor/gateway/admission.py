@@ -14,8 +14,9 @@ itself and for the ranks of its slice of the current generation (the newest laun
   but the current one is refused. The exceptions are late reports of an older generation,
   which intake folds nowhere into the current one: an exit of one of the node's ranks of
   that generation or the node's stop confirmation (the stop of that generation asks for
-  them), and step records from the node that held rank 0 in it (a beat sent before the node
-  heard of the newer launch; an in-place recovery keeps rank 0 beating through it);
+  them), a worker event of one of the node's ranks of that generation (journaled as that
+  generation's), and step records from the node that held rank 0 in it (a beat sent before
+  the node heard of the newer launch; an in-place recovery keeps rank 0 beating through it);
 - step records are rank 0's (``orchestrator.contracts.steprecord``): only the node holding rank 0 of
   the current generation sends them; and the events that speak for the checkpoints and the
   restore (``worker_events.RANK0_NAMES``) are rank 0's too;
@@ -174,12 +175,14 @@ def check_events(principal: str, batch: EventBatch, current: Slice | None,
 def _late(principal: str, ev: RankExit | RanksStarted | RanksStopped | WorkerEvent,
           then: Slice | None, current: Slice, limits: Limits, what: str) -> Refusal | None:
     """An event of an older generation: only an exit of the node's own rank in it, or its
-    stop confirmation, both reports the stop of that generation asked for."""
+    stop confirmation, both reports the stop of that generation asked for, or a worker
+    event of the node's own rank in it (sent before the rank heard of the newer launch: a
+    survivor of an in-place recovery, a rank's last words before it died)."""
     fenced = _forged(f"node {principal}: {what} for generation {ev.generation}, not the "
                      f"current generation {current.generation}")
-    if then is None or not isinstance(ev, RankExit | RanksStopped):
+    if then is None or not isinstance(ev, RankExit | RanksStopped | WorkerEvent):
         return fenced
-    if isinstance(ev, RankExit):
+    if isinstance(ev, RankExit | WorkerEvent):
         return _rank_numbers(principal, ev.generation, (ev.rank,), then, limits, what)
     return None if then.hi > then.lo else fenced
 

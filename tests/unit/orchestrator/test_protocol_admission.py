@@ -172,6 +172,34 @@ def test_exits_only_for_the_nodes_own_ranks() -> None:
                         LIMITS) is not None
 
 
+def test_a_late_worker_event_passes_only_from_the_nodes_own_rank_then() -> None:
+    """A survivor of an in-place recovery reports an event of the generation it was in
+    just as the next one launches (the quickstart's job: a generation-1 event of node
+    local-0, rank 0, refused as forged and its whole batch dropped): late, not forged."""
+    then = {4: Slice(generation=4, lo=0, hi=1)}.get  # local-0 held rank 0 in generation 4
+    current = Slice(generation=5, lo=0, hi=1)
+    late = {"type": "worker", "generation": 4, "rank": 0, "name": "chaos",
+            "data": {"id": "kill-0", "rank": 0, "step": 3, "signal": "SIGKILL"}, "ts": 1.0}
+    committed = {**late, "name": "checkpoint_committed", "data": {"step": 10}}
+    for event in (late, committed):
+        assert check_events("local-0", _events("local-0", event), current, LIMITS,
+                            then) is None
+        # Not from a rank the node did not hold then, nor for a generation never launched,
+        # nor without the node's slice of that generation.
+        other_rank = {**event, "rank": 1,
+                      "data": {**event["data"], **({"rank": 1} if event is late else {})}}
+        assert check_events("local-0", _events("local-0", other_rank), current, LIMITS,
+                            then) is not None
+        assert check_events("local-0", _events("local-0", {**event, "generation": 3}),
+                            current, LIMITS, then) is not None
+        assert check_events("local-0", _events("local-0", event), current, LIMITS) \
+            is not None
+    # Rank 0's names stay rank 0's in an older generation too.
+    other = {4: Slice(generation=4, lo=1, hi=2)}.get
+    assert check_events("local-1", _events("local-1", {**committed, "rank": 1}), current,
+                        LIMITS, other) is not None
+
+
 def test_health_results_only_for_the_node_itself() -> None:
     def report(node: str) -> dict:
         return {"type": "health", "nonce": "n", "stage": "node", "sent_ts": 1.0,
