@@ -33,6 +33,9 @@ def prepare(local_rank: int) -> None:
     import torch
 
     if torch.cuda.is_available():
+        from trainer.distributed import pin_by_registration
+
+        pin_by_registration()  # before the context: the rank it becomes pins this way
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch.cuda.init()
         torch.empty(1, device="cuda")  # the context and the allocator, not the model

@@ -296,6 +296,29 @@ def save_stalls(events: list[dict[str, Any]]) -> dict[str, Any]:
             "max_s": max(first + later, default=None)}
 
 
+def settle(run: Path, failed_generation: int | None, median: float | None) -> dict[str, Any]:
+    """After a recovery, the steps of the next generation until its steps are steady again
+    (three in a row within 1.5 x the run's median step): how many, and the seconds they took
+    beyond the median (training that ran, slowly: a replacement page-locking its staging
+    holds every rank's steps up). The first step, in the recovery's own time, is left out."""
+    path = run / "steps.jsonl"
+    if failed_generation is None or median is None or not path.exists():
+        return {}
+    rows = [r for r in map(json.loads, path.read_text().splitlines())
+            if r.get("generation") == failed_generation + 1 and r.get("step_time")]
+    slow, steady, excess = 0, 0, 0.0
+    for r in rows[1:]:
+        if r["step_time"] <= 1.5 * median:
+            steady += 1
+            if steady == 3:
+                break
+            continue
+        slow += 1 + steady
+        excess += r["step_time"] - median
+        steady = 0
+    return {"slow_steps": slow, "excess_s": round(excess, 3)}
+
+
 def median_step(run: Path) -> float | None:
     path = run / "steps.jsonl"
     if not path.exists():
@@ -385,6 +408,9 @@ def with_injections(config: str | None, sets: list[str], injections: list, path:
         except LookupError as exc:
             recoveries.append({"signal": c.get("signal"), "at_step": c.get("step"),
                                "error": str(exc)})
+    median = median_step(run)
+    for r, c in zip(recoveries, chaos, strict=True):
+        r["settle"] = settle(run, c.get("generation"), median)
     failures = [{k: e.get(k) for k in ("generation", "cause", "rank", "recovery_path",
                                        "recovery_reason")}
                 for e in events if e["kind"] == "failure"]
@@ -409,7 +435,9 @@ def path_targets(step: float | None, runs: list[dict]) -> dict[str, Any]:
             "sigstop_detected_s": [x.get("detection_s") for x in stops],
             "sigstop_to_next_step_s": [x.get("total_s") for x in stops],
             "hang_bound_s": bound,
-            "step_blocking_max_s": r["step_blocking"]["max_s"]}
+            "step_blocking_max_s": r["step_blocking"]["max_s"],
+            # Slow steps after each recovery: seconds beyond the median step.
+            "settle_excess_s": [x.get("settle", {}).get("excess_s") for x in r["recoveries"]]}
     ij = out.get("in_job")
     if ij is not None:
         ij["sigkill_median_met_2s"] = ij["sigkill_median_s"] is not None and \
