@@ -263,7 +263,8 @@ def wrap_checkpointer(checkpointer: Any, plan: ChaosPlan, rank: int = 0,
                       sleep: Callable[[float], None] = time.sleep) -> Any:
     """Every save blocks ``slow_checkpoint_s`` longer; the final commit (``finish``) takes
     ``slow_final_commit_s`` longer on rank 0, the rank that commits: its peers are done
-    with the save and wait for it in the teardown (issue 14's false hang)."""
+    with the save and wait for it in the teardown, where a slow commit must not be judged a
+    hang."""
     final_s = plan.slow_final_commit_s if rank == 0 else 0.0
     if not plan.slow_checkpoint_s and not final_s:
         return checkpointer

@@ -3,9 +3,10 @@
 DCP's async save copies the state into host memory (the staging) and writes the files from
 there in its background thread; training blocks for that copy only. A writer made with
 ``cache_staged_state_dict`` keeps its buffers (pinned on CUDA) from one save to the next, but
-allocates them in its first save: pinning 6.8 GB per GPU stalled that save 6.3-8.0 s against
-0.145 s for the later ones (issue 14), in every generation. On CPU every save allocated (and
-page-faulted) a fresh copy.
+allocates them in its first save: page-locking gigabytes per GPU takes seconds, which that
+save would block for (a later one blocks for a copy, 0.15 s for 6.8 GB on an H200). On CPU
+every save would allocate (and page-fault) a fresh copy. How the pages are locked is the
+rank's allocator setting (``trainer.distributed.pin_by_registration``).
 
 ``StagingBuffers`` allocates the same buffers (DCP's own ``_create_cpu_state_dict``, so their
 layout is exactly what the writer would build) in a background thread once a generation has
