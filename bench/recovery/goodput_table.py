@@ -4,11 +4,12 @@
 
 From the benchmark's one call (both paths on the same cards): the median time from a
 SIGKILL to the next step done (MTTR), the steps a recovery redoes (half the memory tier's
-interval on average: the restore point is the newest step every rank committed), and the
-blocking time of the saves per step. At a failure every ``period`` seconds, the fraction of
-wall time that is training progress is
+interval on average: the restore point is the newest step every rank committed), the slow
+steps after it (their median seconds beyond the median step: ``settle``, where the report
+has it), and the blocking time of the saves per step. At a failure every ``period`` seconds,
+the fraction of wall time that is training progress is
 
-    goodput = (1 - save_blocking_per_step / step_time) * (1 - (mttr + redone) / period)
+    goodput = (1 - save_blocking_per_step / step_time) * (1 - (mttr + redone + settle) / period)
 
 Failure periods: one per 3 h and one per 14 min (Meta's published rates at 16k and 131k
 GPUs). Prints a markdown table and writes it beside the benchmark as JSON.
@@ -47,12 +48,17 @@ def table(report: dict) -> dict:
         # Blocking spread over every step: the median blocking save times the saves a step.
         per_step = (blocks["median_s"] or 0.0) * saving_steps / steps_total
         mttr = statistics.median(kills) if kills else None
-        row = {"mttr_s": mttr, "save_blocking_per_step_s": round(per_step, 5)}
+        slow = [r["settle"]["excess_s"] for r in run["recoveries"]
+                if r.get("signal") == "SIGKILL" and (r.get("settle") or {}).get("excess_s")
+                is not None]
+        settle_s = statistics.median(slow) if slow else 0.0
+        row = {"mttr_s": mttr, "settle_s": round(settle_s, 3),
+               "save_blocking_per_step_s": round(per_step, 5)}
         for name, period in PERIODS.items():
             if mttr is None:
                 row[name] = None
                 continue
-            goodput = (1 - per_step / step) * (1 - (mttr + redone_s) / period)
+            goodput = (1 - per_step / step) * (1 - (mttr + redone_s + settle_s) / period)
             row[name] = round(100 * goodput, 2)
         out["paths"][run["path"]] = row
     return out
@@ -67,12 +73,13 @@ def main() -> int:
     t = table(report)
     print(f"{report['device']}, commit {report['commit']}, step {t['step_s']} s, "
           f"memory tier every {t['memory_interval_steps']:.0f} steps")
-    print("| path | SIGKILL -> next step (median) | saves' blocking a step | "
+    print("| path | SIGKILL -> next step (median) | slow steps after it | saves' blocking a step | "
           + " | ".join(f"goodput at {p}" for p in PERIODS) + " |")
-    print("|---|---|---|" + "---|" * len(PERIODS))
+    print("|---|---|---|---|" + "---|" * len(PERIODS))
     for path, row in t["paths"].items():
         cells = " | ".join(f"{row[p]} %" if row[p] is not None else "-" for p in PERIODS)
-        print(f"| {path} | {row['mttr_s']} s | {row['save_blocking_per_step_s'] * 1000:.1f} ms "
+        print(f"| {path} | {row['mttr_s']} s | {row['settle_s']} s "
+              f"| {row['save_blocking_per_step_s'] * 1000:.1f} ms "
               f"| {cells} |")
     out = args.report.with_name(args.report.stem + "-goodput.json")
     record = {"script": "bench/recovery/goodput_table.py", "device": report["device"],
