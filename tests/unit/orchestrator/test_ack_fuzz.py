@@ -83,7 +83,7 @@ def test_only_an_event_asking_for_it_is_acknowledged(agent: Agent, line: bytes) 
         handed_on = isinstance(msg.get("rank"), int)  # the hub's test for an event line
         assert len(agent.events) == before + handed_on  # before the answer was written
     elif key:  # the key service's own answer (this agent holds no key: a refusal)
-        assert answer.startswith(b'{"t": "key"') or answer.startswith(b'{"t":"key"')
+        assert answer.startswith((b'{"t": "key"', b'{"t":"key"'))
     else:
         assert answer == b""
     # The socket still serves a well-formed request after whatever came before.
