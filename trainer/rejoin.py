@@ -62,6 +62,9 @@ def peer_failure(exc: BaseException) -> bool:
 
 _ABORT_LOCK = threading.Lock()
 _ABORTED: set[int] = set()  # ids of the process groups this process has aborted
+# Each aborted group's backend and the seconds its abort took, until the groups are left:
+# an NCCL communicator's abort takes about half a second on a Hopper host.
+ABORT_TIMES: list[tuple[str, float]] = []
 
 
 def abort_groups() -> None:
@@ -77,23 +80,40 @@ def abort_groups() -> None:
             if id(pg) in _ABORTED:
                 continue
             _ABORTED.add(id(pg))
+            t0 = time.perf_counter()
             with contextlib.suppress(Exception):  # a backend without abort
                 pg.abort()
+            backend = c10d._world.pg_map.get(pg, ("?",))[0]
+            ABORT_TIMES.append((str(backend), round(time.perf_counter() - t0, 4)))
 
 
 def report_recovered(worker: Any, log: Log, step: int, abandoned: int, from_generation: int,
-                     tier: str, marks: tuple[float, float, float, float, float]) -> None:
+                     tier: str, marks: tuple[float, float, float, float, float],
+                     aborts: dict[str, Any] | None = None) -> None:
     """The ``recovered`` event and log line of a rank back in place at ``step``. ``marks``:
     the recovery's start, the order's arrival, the abort done, the groups made, the restore
-    done (``time.perf_counter``)."""
+    done (``time.perf_counter``); ``aborts``: :func:`abort_detail`'s fields."""
     t0, t_wait, t_abort, t_group, done = marks
     worker.event("recovered", step=step, abandoned_step=abandoned,
                  from_generation=from_generation, tier=tier,
                  wait_s=round(t_wait - t0, 6), abort_s=round(t_abort - t_wait, 6),
                  group_s=round(t_group - t_abort, 6), restore_s=round(done - t_group, 6),
-                 total_s=round(done - t0, 6))
+                 total_s=round(done - t0, 6), **(aborts or {}))
     log(f"recovered in place: generation {worker.ctx.generation}, back to step {step} from "
         f"{abandoned} ({tier} tier) in {done - t0:.2f} s")
+
+
+def abort_detail(injob: Any, t0: float) -> dict[str, Any]:
+    """Where a survivor's time went around its recovery's start (``t0``): the order's
+    arrival and each group's abort, whichever thread ran it (taken once the aborts are done,
+    before the groups are left, which forgets them)."""
+    out: dict[str, Any] = {}
+    if injob.delivered_at is not None:
+        out["order_lag_s"] = round(t0 - injob.delivered_at, 6)
+    with _ABORT_LOCK:
+        if ABORT_TIMES:
+            out["group_aborts"] = " ".join(f"{b}:{s:.3f}" for b, s in ABORT_TIMES)[:256]
+    return out
 
 
 def leave_groups() -> None:
@@ -104,6 +124,7 @@ def leave_groups() -> None:
     dist.destroy_process_group()
     with _ABORT_LOCK:
         _ABORTED.clear()
+        ABORT_TIMES.clear()
 
 
 @dataclass
@@ -147,6 +168,7 @@ class Rejoin:
             self.log(f"recover order for generation {order.generation}: aborting the "
                      "process groups, ending the save threads")
             abort_groups()
+            aborts = abort_detail(injob, t0)
             self._drain(p)
             if p.memory is not None:  # verified while the new groups meet
                 p.memory.digest_ahead()
@@ -163,7 +185,7 @@ class Rejoin:
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RejoinFailed(f"in-place recovery failed: {other}") from other
         report_recovered(worker, self.log, p.progress.step, abandoned, from_generation, tier,
-                         (t0, t_wait, t_abort, t_group, time.perf_counter()))
+                         (t0, t_wait, t_abort, t_group, time.perf_counter()), aborts)
         return True
 
     def _drain(self, p: Any) -> None:

@@ -5,9 +5,10 @@ The agent keeps one spare interpreter per local rank with the trainer imported
 the spare waits, ready to take a dead rank's place in an in-job recovery. On a GPU node that
 means the CUDA context of its device (a few hundred MB of GPU memory and about a second,
 paid now, not in the recovery), the job's compile cache loaded into the compiler's
-in-memory caches, and the rank's memory-tier slots mapped and page-locked, so the restore
-copies host-to-device at full speed. Nothing model-sized is allocated on the GPU: the rank
-that died may still hold its memory while its process is torn down.
+in-memory caches, and the rank's memory-tier slots mapped and page-locked (a slot whose
+first copy comes later, when it comes), so the restore copies host-to-device at full speed.
+Nothing model-sized is allocated on the GPU: the rank that died may still hold its memory
+while its process is torn down.
 
 Everything here is best effort: a step that fails leaves the spare as a plain pre-imported
 one, and the rank it becomes does the same work on its own.
@@ -46,9 +47,12 @@ def prepare(local_rank: int) -> None:
     memory = ec.AgentEnv.from_env(os.environ).memory_dir
     rank = ec.get_int(os.environ, "RANK", None, minimum=0)
     if memory and rank is not None and torch.cuda.is_available():
-        from trainer.checkpoint.memory_slots import pin_own_slots
+        from trainer.checkpoint.memory_slots import pin_own_slots, watch_own_slots
 
         PREPARED["pinned_bytes"] = pin_own_slots(Path(memory), rank)
+        # Slots whose first copy comes later (this standby started with the job) are
+        # page-locked as their copies are committed, until the hand-off.
+        watch_own_slots(Path(memory), rank)
     PREPARED["prepare_s"] = time.time() - t0
 
 

@@ -238,6 +238,7 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
         out["survivors"] = {k: slowest[k] for k in ("rank", "wait_s", "abort_s", "group_s",
                                                    "restore_s", "total_s", "tier", "step")}
         out["survivors"]["rejoined_s"] = slowest["ts"] - kill
+        out["survivors"].update({k: slowest[k] for k in ("order_lag_s", "group_aborts") if k in slowest})
     starts = [e for e in events if e["kind"] == "startup" and e.get("generation") == gen]
     if starts:
         st = starts[0]

@@ -201,6 +201,10 @@ class Recovered(EventData):
     group_s: Seconds  # the new process groups
     restore_s: Seconds  # choosing and loading the state
     total_s: Seconds
+    # From the order's arrival to the failed collective's catch (negative: the collective
+    # failed first), and each aborted group's backend and seconds ("nccl:0.52 gloo:0.00").
+    order_lag_s: Annotated[float, Field(ge=-1e7, le=1e7, allow_inf_nan=False)] | None = None
+    group_aborts: ShortStr | None = None
 
 
 class RecoveryFailed(EventData):

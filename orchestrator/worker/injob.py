@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,9 @@ class InJob:
         self._aborts: list[Callable[[], None]] = []
         self.enabled = False
         self.errors: list[str] = []  # abort callbacks that raised (said in the recovery)
+        # When the newest order arrived (time.perf_counter; None until one came): where a
+        # survivor's first second of a recovery goes.
+        self.delivered_at: float | None = None
 
     def enable(self, abort: Callable[[], None]) -> None:
         """Take the in-job path: ``abort`` is called from the order thread when an order
@@ -116,6 +120,7 @@ class InJob:
                     self._order is not None and order.generation <= self._order.generation):
                 return False
             self._order = order
+            self.delivered_at = time.perf_counter()
             aborts = list(self._aborts)
             self._cond.notify_all()
         for abort in aborts:

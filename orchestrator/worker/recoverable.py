@@ -280,7 +280,7 @@ class Recoverable:
         rank restored; the script continues from there. Re-raises ``exc`` otherwise, and
         raises :class:`RecoveryFailed` (the rank exits, the job restarts in full) when the
         recovery cannot be done."""
-        from trainer.rejoin import peer_failure, report_recovered
+        from trainer.rejoin import abort_detail, peer_failure, report_recovered
 
         injob = self.worker.injob
         if self.in_job_off is not None or not injob.enabled or not (
@@ -300,6 +300,7 @@ class Recoverable:
                                      "(restart.in_job_wait_s)")
             t_wait = time.perf_counter()
             self._abort()
+            aborts = abort_detail(injob, t0)
             if not self.memory.abandon(_DRAIN_S):
                 raise RecoveryFailed(f"the memory tier's commit did not end within "
                                      f"{_DRAIN_S} s of the abort")
@@ -317,7 +318,7 @@ class Recoverable:
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RecoveryFailed(f"in-place recovery failed: {other}") from other
         report_recovered(worker, self.log, step, abandoned, from_generation, tier,
-                         (t0, t_wait, t_abort, t_group, time.perf_counter()))
+                         (t0, t_wait, t_abort, t_group, time.perf_counter()), aborts)
         return step
 
     def _rejoin(self, order: Any) -> None:

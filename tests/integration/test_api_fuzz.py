@@ -1,7 +1,7 @@
-"""Fuzzing a live supervisor with a valid node credential (issue 11).
+"""Fuzzing a live supervisor with a valid node credential.
 
 One supervisor (`orchestrator up --detach`, agents expected from outside, so the job waits in
-HEALTH_CHECK for its second node) takes the issue's attacks as explicit cases, then
+HEALTH_CHECK for its second node) takes the known forgeries as explicit cases, then
 hypothesis-generated messages on every agent route: near-valid messages with one field
 broken, wrong types, NaN/Infinity, huge numbers, escape codes, foreign node ids and ranks,
 and raw garbage. After every request:
@@ -322,7 +322,7 @@ def _assignment_query() -> st.SearchStrategy[str]:
                                  optional={"node_id": node, "after": after}).map(urlencode)
 
 
-# -- the issue's cases, one by one ---------------------------------------------------------
+# -- the known attacks, one by one ---------------------------------------------------------
 def _worker_event(data: Any, name: str = "checkpoint_committed", rank: int = 0) -> dict:
     return {"type": "worker", "generation": 0, "rank": rank, "name": name, "data": data,
             "ts": 1.7e9}

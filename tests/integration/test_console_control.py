@@ -1,4 +1,4 @@
-"""Truthful control (issue 11, item 6) with real daemons: `up --detach` returns after the API
+"""Truthful control with real daemons: `up --detach` returns after the API
 listens or fails with the daemon's error; `--resume` never starts a second supervisor nor
 touches a live one's pid file; `status` and `down` say when the supervisor is gone and print
 the command that resumes it; a resumed supervisor takes the job on and `down` stops it."""

@@ -1,4 +1,4 @@
-"""Issue 14, no false hang: a rank's life after its last step is judged by the phases it is
+"""No false hang: a rank's life after its last step is judged by the phases it is
 in (``checkpointing`` for the final commit, ``finishing`` for the digest, close and the
 process-group teardown), never by the calibrated training timeout of a few step intervals."""
 

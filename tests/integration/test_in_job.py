@@ -75,6 +75,11 @@ def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: 
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert [e["rank"] for e in recovered] == [0]
     assert recovered[0]["abandoned_step"] >= 17 and recovered[0]["step"] == 10
+    # Where the survivor's first second went: the order's arrival against the failed
+    # collective, and the aborts of its gloo groups (default, checkpoint, control).
+    assert abs(recovered[0]["order_lag_s"]) < 60
+    aborted = recovered[0]["group_aborts"].split()
+    assert len(aborted) == 3 and all(a.startswith("gloo:") for a in aborted), aborted
     assert not [e for e in events if e["kind"] == "ranks_stopped"]
     # The replacement's start-up breakdown is its own to send (rank 1's): nothing refused.
     assert [e["rank"] for e in events if e["kind"] == "startup" and e["generation"] == 2] \

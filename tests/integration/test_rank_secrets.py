@@ -1,5 +1,5 @@
-"""No rank holds the signing key, and the run directory is private (issue 29, cases 7 and
-10): a real local job whose ranks are a probe script (``scripts/key_probe.py``).
+"""No rank holds the signing key, and the run directory is private: a
+real local job whose ranks are a probe script (``scripts/key_probe.py``).
 
 Before, ``ORCH_CHECKPOINT_KEY_FILE`` was in every rank's environment, so any rank could sign a
 pickle into ``.metadata``; the run directory's journal, steps, config and logs were 0644 in
@@ -64,7 +64,7 @@ def test_ranks_never_hold_the_key_and_the_run_directory_is_private(
         if os.geteuid() != 0:
             assert probe["agent_environ"] == "PermissionError", probe
             assert probe["agent_mem"] == "PermissionError", probe
-    # Case 10: everything the job wrote is its operator's alone.
+    # Everything the job wrote is its operator's alone.
     loose = []
     for path in [run, *run.rglob("*")]:
         st = path.lstat()

@@ -1,5 +1,5 @@
-"""One heartbeat crashed the supervisor, and ``up --resume`` crashed the same way (issue 29,
-case 2), and one beat of 100,000 records added 23 MiB to ``steps.jsonl`` (case 3's flood):
+"""One heartbeat crashed the supervisor, and ``up --resume`` crashed the same way,
+and one beat of 100,000 records added 23 MiB to ``steps.jsonl`` (a flood):
 against a real supervisor whose two nodes are this test (``livesup``), with the stability
 rules as shipped (a non-finite loss rolls back).
 

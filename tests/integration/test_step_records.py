@@ -1,7 +1,7 @@
-"""The step stream is a typed contract, and generations are fenced (issue 29, cases 3, 4, 6
-and 9), against a real supervisor whose two nodes are this test (``livesup``): the node
-holding rank 0 and the other one send heartbeats through the API's port and through the
-heartbeat process's.
+"""The step stream is a typed contract, and generations are fenced (a flood, forged
+values, a stale generation, escaped text), against a real supervisor whose two nodes are
+this test (``livesup``): the node holding rank 0 and the other one send heartbeats through
+the API's port and through the heartbeat process's.
 
 The fuzz: ``STEP_FUZZ_EXAMPLES`` heartbeats carrying step records (2,000 a CI run; 20,000
 with ``STEP_FUZZ_LONG=1``), typed and garbled, from either node, for the current generation
@@ -182,9 +182,9 @@ def test_fuzzed_step_records_long(live: Live) -> None:
     _check_nothing_foreign(live)
 
 
-# -- the issue's cases ---------------------------------------------------------------------
+# -- the known attacks ---------------------------------------------------------------------
 def test_another_nodes_records_change_nothing_and_the_detectors_still_fire(live: Live) -> None:
-    """Case 3: one NaN record from the node without rank 0 forced a divergence stop; one at
+    """One NaN record from the node without rank 0 forced a divergence stop; one at
     step 2**53 - 10 froze the detectors; one beat of 100,000 records added 23 MiB."""
     before = len(_settled_steps(live))
     for port in (False, True):
@@ -212,7 +212,7 @@ def test_another_nodes_records_change_nothing_and_the_detectors_still_fire(live:
 
 def test_record_values_that_crashed_every_start_are_refused_or_skipped(
         live: Live) -> None:
-    """Case 4: a string tokens or step_time, a 4,000-digit integer reached steps.jsonl,
+    """A string tokens or step_time, a 4,000-digit integer reached steps.jsonl,
     the metrics fold raised, and every later start replayed it unguarded; a journal line
     100k deep or holding a 5,000-digit integer did the same to ``up --resume``."""
     before = len(_settled_steps(live))
@@ -252,7 +252,7 @@ def test_record_values_that_crashed_every_start_are_refused_or_skipped(
 
 
 def test_an_older_generation_speaks_for_no_rank(live: Live) -> None:
-    """Case 6: node n0, as rank 1 of generation 0, journaled ``checkpoint_committed`` at
+    """Node n0, as rank 1 of generation 0, journaled ``checkpoint_committed`` at
     step 777700 with a forged path; status showed it and later generations resumed from it."""
     def committed(node: str, generation: int, rank: int) -> dict[str, Any]:
         return {"node_id": node, "events": [{
@@ -279,7 +279,7 @@ def test_an_older_generation_speaks_for_no_rank(live: Live) -> None:
 
 
 def test_a_nodes_text_reaches_the_terminal_escaped(live: Live) -> None:
-    """Case 9: escape codes in a rank exit's ``error`` came out raw in ``orchestrator
+    """Escape codes in a rank exit's ``error`` came out raw in ``orchestrator
     status``; rich markup in those cells was interpreted. (Last: it fails the generation.)"""
     rank = 1  # the other node's
     error = "\x1b[2J\x1b[31mboom [blink]x[/blink] [link=http://evil]y[/link]"

@@ -11,6 +11,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +36,16 @@ class Slots:
         self.root = root
         self._maps: dict[str, mmap.mmap] = {}
         self.pinned: list[Pinned] = []  # page-locked ahead by a warm standby
+        self.pinned_slots: set[str] = set()  # which of this rank's own slots they are
 
     @classmethod
     def shared(cls, root: Path) -> Slots:
         """The slots a warm standby of this process mapped and page-locked ahead of its
-        hand-off (``pin_own_slots``), else a fresh view."""
+        hand-off (``pin_own_slots``), else a fresh view. A standby's :class:`SlotPinner`
+        stops first: from here on the slots are this process's memory tier's."""
+        pinner = _PINNERS.pop(str(root), None)
+        if pinner is not None:
+            pinner.stop()
         return _PREPARED.pop(str(root), None) or cls(root)
 
     def path(self, kind: str, rank: int, slot: str, ext: str) -> Path:
@@ -126,25 +132,78 @@ class Slots:
 # Slots a warm standby mapped and page-locked, by memory directory, until its rank's memory
 # tier takes them (``Slots.shared``).
 _PREPARED: dict[str, Slots] = {}
+_PINNERS: dict[str, SlotPinner] = {}  # a standby's pinner, stopped by ``Slots.shared``
 
 
-def pin_own_slots(root: Path, rank: int) -> int:
+def pin_own_slots(root: Path, rank: int, slots: Slots | None = None,
+                  pin: Callable[[mmap.mmap, int], Pinned] | None = None) -> int:
     """A warm standby's preparation: map ``rank``'s own slots and page-lock the bytes each
     committed copy uses (registering the agent's shared memory: nothing pinned is
-    allocated), kept for this process's memory tier. Returns the bytes page-locked."""
-    slots = Slots(root)
+    allocated), kept for this process's memory tier. Slots ``slots`` already holds pinned
+    are left as they are. Returns the bytes page-locked now."""
+    slots = slots if slots is not None else Slots(root)
+    pin = pin or Pinned
     total = 0
     for copy in slots.copies("own", rank):
+        if copy.slot in slots.pinned_slots:
+            continue
         buf = slots.map("own", rank, copy.slot)
         if buf is None:
             continue
         length = min(len(buf), -(-copy.manifest.data_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-        pinned = Pinned(buf, length)
+        pinned = pin(buf, length)
         if pinned.ok:
             slots.pinned.append(pinned)
+            slots.pinned_slots.add(copy.slot)
             total += length
     _PREPARED[str(root)] = slots
     return total
+
+
+class SlotPinner(threading.Thread):
+    """Page-locks ``rank``'s own slots as their first copies are committed, for a standby
+    made before them (one started with the job waits through the first memory saves).
+    Without it that standby's rank restored from pageable memory: 1.7 s against 0.3 s
+    for the 1.14B model's 6.8 GB on an H200. Polls every ``interval_s`` until every slot
+    is pinned, or until the rank's memory tier takes the slots (:meth:`Slots.shared`)."""
+
+    def __init__(self, root: Path, rank: int, interval_s: float = 0.5,
+                 pin: Callable[[mmap.mmap, int], Pinned] | None = None) -> None:
+        super().__init__(name="slot-pinner", daemon=True)
+        self.root, self.rank, self.interval_s, self._pin = root, rank, interval_s, pin
+        self.slots = _PREPARED.get(str(root)) or Slots(root)
+        self.pinned_bytes = 0
+        self._stopped = threading.Event()
+        self._busy = threading.Lock()
+
+    def run(self) -> None:
+        while not self._stopped.is_set() and len(self.slots.pinned_slots) < len(mf.SLOTS):
+            with self._busy:
+                if self._stopped.is_set():
+                    break
+                try:
+                    self.pinned_bytes += pin_own_slots(self.root, self.rank, self.slots,
+                                                       self._pin)
+                except (OSError, RuntimeError, ValueError):
+                    pass  # a slot being remade, a driver error: the next round, or never
+            self._stopped.wait(self.interval_s)
+
+    def stop(self) -> None:
+        """No slot is pinned after this returns (one being pinned now is finished)."""
+        self._stopped.set()
+        with self._busy:
+            pass
+
+
+def watch_own_slots(root: Path, rank: int, interval_s: float = 0.5,
+                    pin: Callable[[mmap.mmap, int], Pinned] | None = None) -> SlotPinner:
+    """Start a :class:`SlotPinner` for this process (a standby): its slots go to the rank's
+    memory tier with every copy page-locked that was committed before the hand-off."""
+    pinner = SlotPinner(root, rank, interval_s, pin)
+    _PREPARED[str(root)] = pinner.slots
+    _PINNERS[str(root)] = pinner
+    pinner.start()
+    return pinner
 
 
 class DigestCancelled(Exception):

@@ -57,7 +57,7 @@ def test_every_expression_uses_only_metrics_we_export() -> None:
                for name in metric_names(expr) - allowed}
     assert not unknown, unknown
     used = {n for _, e in dashboard_exprs() for n in metric_names(e)}
-    # What the dashboard must show (issue 5): each drawn from its metric.
+    # What the dashboard must show: each drawn from its metric.
     for name in ("orchestrator_goodput_ratio", "orchestrator_productive_seconds_total",
                  "orchestrator_badput_seconds_total", "orchestrator_steps_processed_total",
                  "orchestrator_tokens_processed_total", "orchestrator_loss",

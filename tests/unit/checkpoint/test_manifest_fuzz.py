@@ -1,4 +1,4 @@
-"""A key-less writer of the checkpoint root plants manifests (issue 29, case 5): deep JSON, a
+"""A key-less writer of the checkpoint root plants manifests: deep JSON, a
 huge integer, bytes that are not UTF-8, fields of the wrong type. The layout reader raised
 instead of skipping such a step, rank 0 crash-looped on it, and ``checkpoints list / verify /
 prune`` printed tracebacks, locally and on S3. Now each is a step that fails verification,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -207,7 +207,7 @@ def test_the_digest_ahead_is_the_plans_and_the_plan_digests_nothing_again(
     old.save(10, 0, state(2))
     old.wait()
     new, ahead = _restart(tmp_path, old)
-    calls: list[int] = []
+    calls: ClassVar[list[int]] = []
     real = memory_mod.digest_of
     monkeypatch.setattr(memory_mod, "digest_of",
                         lambda buf, m: calls.append(m.step) or real(buf, m))
@@ -364,3 +364,65 @@ def test_slot_names_parse_back() -> None:
         ("partner", 12, "b", "json")
     for bad in ("own-r1-c.bin", "../own-r1-a.bin", "own-r-1-a.bin", "x"):
         assert mf.parse_slot_name(bad) is None
+
+
+class FakePin:
+    """Stands in for ``cudaHostRegister`` (no GPU here): records what it was asked."""
+
+    calls: ClassVar[list[int]] = []
+
+    def __init__(self, buf: Any, nbytes: int) -> None:
+        FakePin.calls.append(nbytes)
+        self.ok = True
+
+    def release(self) -> None:
+        self.ok = False
+
+
+def _wait_until(cond: Any, timeout: float = 10.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_standby_made_before_the_first_copies_pins_each_slot_as_it_is_committed(
+        tmp_path: Path) -> None:
+    """A standby started with the job finds no copy to page-lock; its pinner locks each
+    slot once its first copy is committed, then stops, and the rank it becomes takes the
+    slots with both locked."""
+    from trainer.checkpoint.memory_slots import Slots, watch_own_slots
+
+    FakePin.calls = []
+    writer = tier(tmp_path)  # the rank that trains (another process in a real job)
+    pinner = watch_own_slots(writer.slots.root, 0, interval_s=0.01, pin=FakePin)
+    assert not _wait_until(lambda: FakePin.calls, timeout=0.2)  # nothing committed yet
+    writer.save(5, 50, state(1))
+    writer.wait()
+    assert _wait_until(lambda: len(FakePin.calls) == 1)
+    writer.save(10, 100, state(2))
+    writer.wait()
+    assert _wait_until(lambda: not pinner.is_alive())  # both slots: done
+    taken = Slots.shared(writer.slots.root)
+    assert taken.pinned_slots == {"a", "b"} and len(taken.pinned) == 2
+    assert all(n > 0 and n % 4096 == 0 for n in FakePin.calls) and len(FakePin.calls) == 2
+
+
+def test_the_hand_off_stops_the_pinner_before_a_later_copy(tmp_path: Path) -> None:
+    """Once the rank's memory tier takes the slots, the standby's pinner touches nothing:
+    the tier owns them from then on."""
+    from trainer.checkpoint.memory_slots import Slots, watch_own_slots
+
+    FakePin.calls = []
+    writer = tier(tmp_path)
+    pinner = watch_own_slots(writer.slots.root, 0, interval_s=0.01, pin=FakePin)
+    taken = Slots.shared(writer.slots.root)
+    assert not pinner.is_alive() or _wait_until(lambda: not pinner.is_alive())
+    writer.save(5, 50, state(1))
+    writer.wait()
+    assert not _wait_until(lambda: FakePin.calls, timeout=0.2)
+    assert taken.pinned_slots == set() and taken is pinner.slots

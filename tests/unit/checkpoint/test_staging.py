@@ -1,4 +1,4 @@
-"""Staging buffers allocated ahead (issue 14: no first-save stall): the first save reuses
+"""Staging buffers allocated ahead (no first-save stall): the first save reuses
 buffers made in the background after the first step, every save after it reuses the same,
 what is saved is the state at the save (not at the allocation), and buffers that no longer
 fit are dropped for the old way, never used."""

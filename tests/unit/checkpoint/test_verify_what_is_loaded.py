@@ -1,11 +1,11 @@
-"""What a restore verifies is what it loads, and no checkpoint content runs code (issue 29,
-cases 1, 7 and 8), against real DCP checkpoints of one rank in this process.
+"""What a restore verifies is what it loads, and no checkpoint content runs code,
+against real DCP checkpoints of one rank in this process.
 
-- Case 1: an attacker process watching the step directory with inotify swaps ``.metadata``
+- A race: an attacker process watching the step directory with inotify swaps ``.metadata``
   for a pickle the moment the verifier closes it; the load then reads the swapped file.
-- Case 7: a pickle re-signed into ``.metadata`` with the job's key (who holds the key can);
+- A re-signed pickle: a pickle re-signed into ``.metadata`` with the job's key (who holds the key can);
   ``export`` and ``verify`` never run it, and neither does ``--trust-unsigned``.
-- Case 8: a memory-tier copy that verifies but does not load is never chosen twice.
+- A copy that does not load: a memory-tier copy that verifies but does not load is never chosen twice.
 In every case the marker the pickle would write never appears, and the restore moves on to
 the next candidate, the failing copy uncommitted, the reason reported.
 """

@@ -1,7 +1,7 @@
 """A dead rank is reported when its channel closes, not when the kernel has torn it down.
 
 On a GPU host the release of a CUDA context takes 0.6-0.8 s after the process's socket
-closes (issue 14); the agent reads the exit status from ``/proc/<pid>/stat`` of the process
+closes; the agent reads the exit status from ``/proc/<pid>/stat`` of the process
 that is past the point of no return. These tests use real processes: a SIGKILLed child left
 unreaped is exactly what the agent sees while a GPU process is still being torn down.
 """

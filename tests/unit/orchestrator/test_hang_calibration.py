@@ -1,4 +1,4 @@
-"""Issue 14, a shorter path: the training timeout's floor comes down to the measured step
+"""A shorter path to a found hang: the training timeout's floor comes down to the measured step
 scale (so a hang is found within 3 x the step interval + 2 s), a rank past its last step is
 judged by the ``finishing`` timeout, and the first restart in a window does not back off.
 Everything runs on the fake clock: detection is asserted to the supervisor's tick."""

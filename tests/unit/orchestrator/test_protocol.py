@@ -1,4 +1,4 @@
-"""The agent->supervisor messages: what real agents send parses; what the issue's attacks sent
+"""The agent->supervisor messages: what real agents send parses; what the known attacks sent
 is refused at parse time with a reason (strict types, finite numbers, bounds, closed sets)."""
 
 from __future__ import annotations

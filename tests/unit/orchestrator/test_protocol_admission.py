@@ -1,5 +1,5 @@
 """Identity and admission: a node's credential names it, and it may speak only for itself and
-the ranks of its current assignment (the forgeries of issue 11, as pure checks)."""
+the ranks of its current assignment (the known forgeries, as pure checks)."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def _exit(rank: int, generation: int = 5, code: int = 0) -> dict:
 def test_exits_only_for_the_nodes_own_ranks() -> None:
     assert check_events("local-1", _events("local-1", _exit(2), _exit(3)), RUNNING,
                         LIMITS) is None
-    # The issue's attacks: an exit of a rank on another node; clean exits of ranks 1000/1001.
+    # The known attacks: an exit of a rank on another node; clean exits of ranks 1000/1001.
     for batch in (_events("local-1", _exit(0, code=1)),
                   _events("local-1", _exit(1000), _exit(1001)),
                   _events("local-1", _exit(2), _exit(1))):

@@ -1,5 +1,5 @@
 """``status``, a supervisor's start and ``up --resume`` work on any run directory a crash or an
-attacker left (issue 29): ``events.jsonl``, ``steps.jsonl``, ``stability.json`` and
+attacker left: ``events.jsonl``, ``steps.jsonl``, ``stability.json`` and
 ``supervisor.json`` truncated, garbled, 100,000 levels deep, holding 5,000-digit integers,
 bytes that are not UTF-8, NaN where JSON has none, unknown kinds, values of the wrong type.
 Before, a hand-edited journal (2 of 14) or one step record crashed every later start.

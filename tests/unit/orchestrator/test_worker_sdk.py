@@ -42,7 +42,7 @@ def test_checkpoint_time_is_not_step_time(monkeypatch: pytest.MonkeyPatch) -> No
 def test_steps_disturbed_by_background_work_run_in_loading_and_do_not_calibrate(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Page-locking buffers beside training (a restarted generation's staging) slowed a
-    step to seconds, and that step set the calibrated hang timeout (issue 14)."""
+    step to seconds, and that step set the calibrated hang timeout."""
     clock = Clock()
     w = _measuring_from_the_start(Worker(env={"RANK": "0"}, clock=clock), monkeypatch)
     busy = [True]
