@@ -540,7 +540,8 @@ class CheckpointConfig(_Section):
         description="Memory tier: every N steps each rank also copies its state into its "
                     "node's shared memory (and its partner node's), from which a restart "
                     "restores at copy speed. Null: the memory tier is off. Needs the node "
-                    "agent (orchestrator up); may be shorter than interval_steps.")
+                    "agent (orchestrator up); may be shorter than interval_steps. A step the "
+                    "durable tier saves at hands its copy to the next step.")
     memory_max_bytes: int = Field(
         8 * 2**30, gt=0,
         description="Shared memory one node's memory tier may use in all (its ranks' two "

@@ -32,3 +32,22 @@ def test_the_longest_phases_summed_and_named_for_the_journal(
     assert "compile_phase_phase_0" not in out  # 0 s: not among the longest
     event = Startup(first_step_done=1.7e9, **out)
     assert event.model_extra == out
+
+
+def test_a_standby_of_a_compiling_job_computes_inductors_key_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replacement's first compile found the key computed: the standby paid it."""
+    from torch._inductor import codecache
+
+    import trainer.warm_compile  # noqa: F401 - what the agent preloads when the job compiles
+    from trainer import standby
+
+    calls: list[int] = []
+
+    monkeypatch.setattr(codecache, "torch_key", lambda: calls.append(1) or b"k")
+    monkeypatch.delenv("RANK", raising=False)  # and no ORCH_* (conftest): no slots, no cache
+    monkeypatch.setattr(standby, "PREPARED", {})
+    standby.prepare(0)
+    assert standby.PREPARED["inductor_key"] is True and calls == [1]
+    monkeypatch.setattr(codecache, "torch_key", lambda: (_ for _ in ()).throw(OSError("x")))
+    assert standby.inductor_key() is False  # best effort: the rank computes it then
