@@ -51,7 +51,7 @@ def test_token_never_reaches_a_log(clean_run: Path) -> None:
 def test_two_random_kills_resume_bit_exactly(tmp_path: Path, dataset_dir: Path,
                                              clean_run: Path) -> None:
     rng = random.Random()
-    first = rng.randrange(15, 19)  # after the first checkpoint (10) committed: a resume follows
+    first = rng.randrange(15, 19)  # after the first checkpoint (10), mostly committed by then
     second = rng.randrange(24, 36)
     print(f"chaos kills at steps {first} and {second}")
     cfg = write_config(tmp_path / "job.yaml", dataset_dir,
@@ -62,8 +62,18 @@ def test_two_random_kills_resume_bit_exactly(tmp_path: Path, dataset_dir: Path,
     assert st["state"] == "COMPLETED"
     assert [r["cause"] for r in st["restarts"]] == ["worker_exit", "worker_exit"]
     assert all(f["signal"] == "SIGKILL" for f in st["failures"])
-    resumed = [e["step"] for e in journal(tmp_path / "run") if e["kind"] == "resumed"]
-    assert len(resumed) == 2 and all(s % 10 == 0 for s in resumed)
+    # Each restart resumed from the newest checkpoint committed before it, or from the
+    # start when none was (the save at 10 commits in the background: on a fast machine the
+    # first kill can come before it has).
+    events = journal(tmp_path / "run")
+    for g in (2, 3):
+        launched = next(e["ts"] for e in events
+                        if e["kind"] == "generation_launched" and e["generation"] == g)
+        committed = [e["step"] for e in events
+                     if e["kind"] == "checkpoint_committed" and e["ts"] < launched]
+        resumed = [e["step"] for e in events if e["kind"] == "resumed" and e["generation"] == g]
+        assert resumed == ([max(committed)] if committed else []), (g, committed, resumed)
+    assert [e for e in events if e["kind"] == "resumed"], "no restart resumed a checkpoint"
 
     step = f"step-{STEPS:08d}"
     a = final_state_dict(clean_run / "checkpoints" / "t" / step)
@@ -92,7 +102,11 @@ def test_one_crash_journal_state_sequence(tmp_path: Path, dataset_dir: Path) -> 
     assert stopping["cause"] == "worker_exit"
     launches = [e for e in events if e["kind"] == "generation_launched"]
     assert [e["generation"] for e in launches] == [1, 2]
-    assert launches[1]["resume_step"] == 10
+    # The restart resumes the newest checkpoint committed before it: step 10's, unless
+    # the kill came before its background commit ended (a fast machine), then none.
+    committed = [e["step"] for e in events
+                 if e["kind"] == "checkpoint_committed" and e["ts"] < launches[1]["ts"]]
+    assert committed in ([10], []) and launches[1]["resume_step"] == max(committed, default=None)
     assert "restarts" in result.stdout and "worker_exit x1" in result.stdout
     # The restart ran in pre-imported spare interpreters: no import time the second time.
     startups = {e["generation"]: e for e in events if e["kind"] == "startup"}
