@@ -216,6 +216,10 @@ class ParallelismConfig(_Section):
         "none", description="Recompute activations: none, selective (every other block), full."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
+    standby_compile: bool = Field(
+        True, description="With compile and warm standbys (restart.standby): each standby "
+        "compiles the step ahead on a two-block copy of the model (a few GB of GPU memory "
+        "for a few seconds), so the rank it becomes compiles nothing at its first step.")
     zero_stage: int = Field(
         1, ge=0, le=3, description="ZeRO stage: deepspeed 0-3; neuron 0 or 1 (NxD ZeRO-1)."
     )

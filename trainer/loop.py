@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -262,18 +261,14 @@ def first_compile_seconds() -> dict[str, float]:
     (TorchDynamo's ``compilation_time_metrics``: tracing, AOTAutograd, Inductor, cache
     loads), summed per phase, the longest ``_COMPILE_PHASES`` as ``compile_phase_<name>``
     seconds. Empty when nothing was compiled (TorchDynamo not imported)."""
-    if "torch._dynamo" not in sys.modules:
-        return {}
-    from torch._dynamo import utils
+    from trainer.standby import PREPARED, compile_totals
 
-    metrics = getattr(utils, "compilation_time_metrics", None)
-    if not isinstance(metrics, dict):
-        return {}
-    totals = {str(k): sum(float(t) for t in v) for k, v in metrics.items()
-              if isinstance(v, list) and v}
+    # What this process's warm standby compiled ahead is not the rank's first step's.
+    ahead = PREPARED.get("compile_totals") or {}
+    totals = {k: v - ahead.get(k, 0.0) for k, v in compile_totals().items()}
     longest = sorted(totals.items(), key=lambda kv: -kv[1])[:_COMPILE_PHASES]
     return {"compile_phase_" + re.sub(r"[^a-z0-9]+", "_", k.lower()).strip("_")[:64]: round(v, 4)
-            for k, v in longest if v >= 0}
+            for k, v in longest if v >= 0.0001}
 
 
 # Steps after which every graph of the step is compiled (the first step compiles forward and

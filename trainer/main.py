@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(settings.checkpoint.umask)
     if settings.trainer.parallelism.compile and ctx.managed:
         load_compile_cache(startup)
+    startup.update(standby_figures())
     ahead = digest_ahead(settings, ctx)  # overlaps the process groups' set-up
     dctx = init_distributed(settings.trainer, marks=startup)
     startup["dist_ready"] = time.time()
@@ -96,6 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         teardown(dctx if trained else None)
         ow.shutdown()
     return 0
+
+
+def standby_figures() -> dict[str, float]:
+    """What this process's warm standby preparation did ahead (seconds, graphs compiled,
+    the compile copy's peak MiB), for the ``startup`` event; nothing for a cold start."""
+    from trainer.standby import PREPARED
+
+    return {f"standby_{k}": float(v) for k, v in PREPARED.items()
+            if k.endswith(("_s", "_graphs", "_mib")) and isinstance(v, int | float)
+            and not isinstance(v, bool) and 0 <= v < 1e9}
 
 
 def load_compile_cache(startup: dict) -> None:

@@ -5,10 +5,12 @@ The agent keeps one spare interpreter per local rank with the trainer imported
 the spare waits, ready to take a dead rank's place in an in-job recovery. On a GPU node that
 means the CUDA context of its device (a few hundred MB of GPU memory and about a second,
 paid now, not in the recovery), the job's compile cache loaded into the compiler's
-in-memory caches (and Inductor's key of torch's sources computed), and the rank's memory-tier slots mapped and page-locked (a slot whose
+in-memory caches (and Inductor's key of torch's sources computed), the job's step compiled
+on a two-block copy of the model (``trainer.standby_compile``: the replacement's first step
+compiles nothing), and the rank's memory-tier slots mapped and page-locked (a slot whose
 first copy comes later, when it comes), so the restore copies host-to-device at full speed.
-Nothing model-sized is allocated on the GPU: the rank that died may still hold its memory
-while its process is torn down.
+Nothing model-sized stays on the GPU (the copy is freed before the standby waits): the rank
+that died may still hold its memory while its process is torn down.
 
 Everything here is best effort: a step that fails leaves the spare as a plain pre-imported
 one, and the rank it becomes does the same work on its own.
@@ -47,6 +49,7 @@ def prepare(local_rank: int) -> None:
         PREPARED["compile_cache"] = load_compile_cache(cache)
     if "torch._inductor.compile_fx" in sys.modules:  # the job compiles (trainer.warm_compile)
         PREPARED["inductor_key"] = inductor_key()
+        PREPARED.update(compile_step_ahead(local_rank))
     memory = ec.AgentEnv.from_env(os.environ).memory_dir
     rank = ec.get_int(os.environ, "RANK", None, minimum=0)
     if memory and rank is not None and torch.cuda.is_available():
@@ -57,6 +60,42 @@ def prepare(local_rank: int) -> None:
         # page-locked as their copies are committed, until the hand-off.
         watch_own_slots(Path(memory), rank)
     PREPARED["prepare_s"] = time.time() - t0
+
+
+def compile_step_ahead(local_rank: int) -> dict[str, Any]:
+    """The job's step compiled ahead on a copy of the model (``trainer.standby_compile``);
+    what it did, or why it did not."""
+    config = ec.AgentEnv.from_env(os.environ).config_path
+    rank = ec.get_int(os.environ, "RANK", None, minimum=0)
+    world = ec.get_int(os.environ, "WORLD_SIZE", None, minimum=1)
+    if not config or rank is None or world is None:
+        return {"compile_ahead": "no job config or rank in the standby's environment"}
+    from trainer import standby_compile
+    from trainer.settings import load_settings
+
+    settings = load_settings(config)
+    why = standby_compile.why_not(settings)
+    if why is not None:
+        return {"compile_ahead": why}
+    try:
+        done = standby_compile.compile_ahead(settings, local_rank, rank, world)
+    except Exception as exc:  # noqa: BLE001 - best effort: the rank compiles at its first step
+        return {"compile_ahead": f"failed: {type(exc).__name__}: {exc}"[:300]}
+    # The rank's ``startup`` event reports its own first step's compile, not this.
+    return {**done, "compile_totals": compile_totals()}
+
+
+def compile_totals() -> dict[str, float]:
+    """The compiler's timed phases so far in this process, summed per phase (seconds)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo import utils
+
+    metrics = getattr(utils, "compilation_time_metrics", None)
+    if not isinstance(metrics, dict):
+        return {}
+    return {str(k): sum(float(t) for t in v) for k, v in metrics.items()
+            if isinstance(v, list) and v}
 
 
 def inductor_key() -> bool:

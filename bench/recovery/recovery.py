@@ -251,7 +251,10 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
             "first_step_s": st["first_step_done"] - st["built"],
             "first_step_compile_s": {k.removeprefix("compile_phase_"): v for k, v in st.items()
                                      if k.startswith("compile_phase_")
-                                     and isinstance(v, int | float)}}
+                                     and isinstance(v, int | float)},
+            # What its standby did ahead (prepare_s, compile_ahead_s / _graphs / _peak_mib).
+            "standby_ahead": {k.removeprefix("standby_"): v for k, v in st.items()
+                              if k.startswith("standby_") and isinstance(v, int | float)}}
     return _rounded(out)
 
 

@@ -477,9 +477,11 @@ class Agent:
         base = {**ec.without_secrets(os.environ), **self._memory_env(a, provision=False)}
 
         def env_of(local_rank: int) -> dict[str, str]:
-            # What a standby's preparation reads: its device, and the slots of the rank it
-            # would replace (this node's rank at that local index).
-            return {**base, "LOCAL_RANK": str(local_rank),
+            # What a standby's preparation reads: its device, the slots of the rank it
+            # would replace (this node's rank at that local index), the job's config (the
+            # step it compiles ahead) and the run directory (the job's compile cache).
+            return {**base, ec.CONFIG: str(self.config_path), ec.RUN_DIR: str(self.run_dir),
+                    "LOCAL_RANK": str(local_rank),
                     "RANK": str(a.rank_offset + local_rank),
                     "LOCAL_WORLD_SIZE": str(a.nproc), "WORLD_SIZE": str(a.world_size)}
 

@@ -69,12 +69,7 @@ class TorchStepper:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            with _grad_sync(self.model, i == accum - 1), self._autocast():
-                loss = self.loss_fn(self.model(inputs), targets)
-            (loss * (scale / accum)).backward()
-            loss_sum += loss.detach()
+            loss_sum += self.forward_backward(inputs, targets, i == accum - 1, scale / accum)
         grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip))
         loss = mean_loss(loss_sum, accum, scale)
         # The verdict comes from globally reduced values, so every rank decides alike.
@@ -86,6 +81,19 @@ class TorchStepper:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepOutcome(loss, grad_norm, skipped)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool,
+                         weight: float) -> torch.Tensor:
+        """One micro-batch's forward, loss and backward (gradients reduced when ``sync``,
+        the loss weighted by ``weight`` for the backward); its detached loss. A warm
+        standby runs it once on a small copy of the model to compile ahead
+        (``trainer.standby_compile``)."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        with _grad_sync(self.model, sync), self._autocast():
+            loss = self.loss_fn(self.model(inputs), targets)
+        (loss * weight).backward()
+        return loss.detach()
 
     def param_norm(self) -> float:
         return float(param_norm([p for _, p in self._tracked]))

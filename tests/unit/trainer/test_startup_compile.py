@@ -51,3 +51,19 @@ def test_a_standby_of_a_compiling_job_computes_inductors_key_ahead(
     assert standby.PREPARED["inductor_key"] is True and calls == [1]
     monkeypatch.setattr(codecache, "torch_key", lambda: (_ for _ in ()).throw(OSError("x")))
     assert standby.inductor_key() is False  # best effort: the rank computes it then
+
+
+def test_what_the_standby_compiled_ahead_is_not_the_first_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replacement whose standby compiled the step reports only its own compile."""
+    from torch._dynamo import utils
+
+    from trainer import standby
+
+    metrics = {"_compile.compile_inner": [2.0, 0.25], "OutputGraph.call_user_compiler": [1.5]}
+    monkeypatch.setattr(utils, "compilation_time_metrics", metrics)
+    monkeypatch.setattr(standby, "PREPARED", {"compile_totals": {
+        "_compile.compile_inner": 2.0, "OutputGraph.call_user_compiler": 1.5}})
+    assert loop.first_compile_seconds() == {"compile_phase_compile_compile_inner": 0.25}
+    monkeypatch.setattr(standby, "PREPARED", {})
+    assert loop.first_compile_seconds()["compile_phase_compile_compile_inner"] == 2.25

@@ -1,0 +1,120 @@
+"""A warm standby compiles the job's step on a two-block copy of the model, under a fake
+process group; the rank it becomes then compiles nothing at its first step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.servers import free_port
+from trainer import standby_compile
+from trainer.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# The standby's preparation (as the agent's spare runs it: its environment names the job's
+# config and the rank it would replace), then the rank it becomes: the real process group
+# (gloo, world 1), the job's whole model and its first step, counting compiled graphs.
+_PROBE = """
+import json, os, sys
+import trainer.warm_compile  # what the agent preloads when the job compiles
+from torch._dynamo.utils import counters
+from trainer import standby
+import weakref
+from trainer.backends import native
+built = []
+build = native.NativeBackend.build_model
+def build_copy(self, s, d):
+    model = build(self, s, d)
+    built.append(weakref.ref(model))
+    return model
+native.NativeBackend.build_model = build_copy
+standby.prepare(0)
+copy = built.pop()
+native.NativeBackend.build_model = build
+prepared = {k: v for k, v in standby.PREPARED.items() if k.startswith("compile_ahead")}
+before = counters["stats"]["unique_graphs"]
+import torch.distributed as dist
+from trainer.backends import backend_for
+from trainer.distributed import init_distributed
+from trainer.settings import load_settings
+from trainer.standby_compile import _batch
+settings = load_settings(os.environ["ORCH_CONFIG"])
+dctx = init_distributed(settings.trainer)
+backend = backend_for("fsdp2")
+backend.setup(settings, dctx)
+model = backend.build_model(settings, dctx)
+stepper = backend.build_stepper(model, None, None, settings, dctx)
+inputs, targets = _batch(settings, dctx.device)
+stepper.forward_backward(inputs, targets, True, 1.0)
+blocks = list(model.layers)
+print(json.dumps({"prepared": prepared, "before": before,
+                  "after": counters["stats"]["unique_graphs"], "blocks": len(blocks),
+                  "compiled": all(b._compiled_call_impl is not None for b in blocks),
+                  "group": dist.get_backend(), "copy_freed": copy() is None}))
+dist.destroy_process_group()
+"""
+
+
+def _config(tmp_path: Path, **parallelism: object) -> Path:
+    config = {"job": {"name": "standby"},
+              "trainer": {"device": "cpu", "num_threads": 1,
+                          "model": {"preset": "tiny", "n_layers": 4},
+                          "data": {"seq_len": 32, "micro_batch_size": 2},
+                          "parallelism": {"strategy": "fsdp2", "backend": "gloo",
+                                          "compile": True, **parallelism}}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_the_rank_a_standby_becomes_compiles_nothing_at_its_first_step(tmp_path: Path) -> None:
+    config = _config(tmp_path, activation_checkpointing="selective")
+    env = {**os.environ, "ORCH_CONFIG": str(config), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = subprocess.run([sys.executable, "-P", "-c", _PROBE], check=False, env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    prepared = result["prepared"]
+    # Both kinds of block (plain and checkpoint-wrapped) and the loss, on the copy.
+    assert prepared["compile_ahead_graphs"] >= 3, prepared
+    assert prepared["compile_ahead_peak_mib"] is None  # no GPU here
+    assert prepared["compile_ahead_held_mib"] is None
+    assert result["blocks"] == 4 and result["compiled"] and result["group"] == "gloo"
+    assert result["copy_freed"]  # nothing of the copy outlives the preparation
+    assert result["after"] == result["before"], result  # every lookup hit the standby's
+
+
+def test_what_cannot_be_compiled_ahead_says_why(tmp_path: Path) -> None:
+    settings = load_settings(str(_config(tmp_path)))
+    assert standby_compile.why_not(settings) is None
+    for parallelism, words in (({"compile": False}, "does not compile"),
+                               ({"standby_compile": False}, "standby_compile is off"),
+                               ({"strategy": "ddp"}, "ddp"),
+                               ({"offload": "params"}, "offload")):
+        other = load_settings(str(_config(tmp_path, **parallelism)))
+        assert words in (standby_compile.why_not(other) or ""), parallelism
+
+
+@pytest.mark.parametrize(("layers", "copy"), [(1, 1), (2, 2), (16, 2)])
+def test_the_copy_keeps_at_most_two_blocks_and_everything_else(tmp_path: Path, layers: int,
+                                                               copy: int) -> None:
+    from trainer.presets import resolve_model_args
+
+    settings = load_settings(str(_config(tmp_path)))
+    model = settings.trainer.model.model_copy(update={"n_layers": layers})
+    settings = standby_compile.dataclasses.replace(
+        settings, trainer=settings.trainer.model_copy(update={"model": model}))
+    small = standby_compile.copy_settings(settings)
+    assert resolve_model_args(small.trainer.model).n_layers == copy
+    assert small.trainer.data == settings.trainer.data
+    assert small.trainer.parallelism == settings.trainer.parallelism
+    assert small.config_hash == settings.config_hash
