@@ -3,6 +3,7 @@
 ``FakeClock`` is the clock the supervisor's parts take (``time``, ``monotonic``, ``sleep``):
 time moves only when a test advances it (or awaits ``sleep``, which advances it at once),
 so deadlines and timeouts are asserted exactly, on loop time in kopf's sense.
+``begin_generation`` gives a test that drives an ``Intake`` the launch's ``Generation``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from orchestrator.journal.view import JobView
 from orchestrator.journal.store import Journal, read_journal
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.supervisor.context import JobContext
+from orchestrator.supervisor.generation.judge import Generation
+from orchestrator.supervisor.generation.parts import GenerationParts
+from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.recorder import Recorder
 
@@ -74,3 +78,11 @@ def make_context(root: Path, cfg: Config, clock: Any, log: Any = None,
     recorder = Recorder(journal, JobView.from_events(read_journal(run.journal)), metrics)
     return JobContext(cfg, run, clock, recorder, log or FakeLog(),
                       checkpoint_root or str(root / "checkpoints"))
+
+
+def begin_generation(intake: Intake, number: int, world_size: int) -> Generation:
+    """The ``Generation`` of a launch of ``number``, wired and begun as the supervisor's
+    ``GenerationParts`` does it, for tests that drive an ``Intake`` without the loop."""
+    parts = GenerationParts(intake.ctx, intake.nodes, intake, intake.stability,
+                            asyncio.Event(), lambda state: None)
+    return parts.begin(number, world_size)

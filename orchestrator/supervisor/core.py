@@ -411,7 +411,7 @@ class Supervisor:
             # A node that died with its ranks shows as lost only once the stop has waited
             # for its agent's confirmation.
             outcome = self._explain_by_lost_node(outcome)
-        failure = self.intake.root_cause(generation, outcome.cause, outcome.detail)
+        failure = self.parts.judging(generation).root_cause(outcome.cause, outcome.detail)
         failure.update(recovery_path=path.kind, recovery_reason=path.reason[:4096])
         self.record(ev.Failure(**failure), durable=True)
         self.log.error("generation failed", **{k: v for k, v in failure.items()
@@ -437,7 +437,8 @@ class Supervisor:
     def _recovery_path(self, generation: int, outcome: Outcome) -> recovery.Path:
         """In place, or every rank restarted (``supervisor.recovery``); a node that would
         be blamed for one failure too many is replaced by a spare, which a restart does."""
-        replace = recovery.failed_ranks(outcome.cause, outcome.detail, self.intake.exits,
+        replace = recovery.failed_ranks(outcome.cause, outcome.detail,
+                                         self.parts.judging(generation).exits,
                                          self.cfg.timeouts.heartbeat_interval_s,
                                          self.cfg.cluster.world_size)
         blamed = self._blame_due(outcome.detail.get("node_id"))

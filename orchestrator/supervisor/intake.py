@@ -1,22 +1,23 @@
-"""What agents tell the supervisor, and what it makes of it.
+"""What agents tell the supervisor: the message half of the control plane.
 
 The API server hands every agent message to ``Intake``: registrations and heartbeats update
 the node registry and the progress tracker at once; rank exits, starts, stops and worker
-events go onto a queue that the supervisor's observe loop drains through ``judge``, which
-turns them into a generation's outcome (completed, or failed with a cause).
+events go onto a queue that the generation's loop drains into the running launch's
+``Generation`` (``generation.judge``), which alone decides how that launch ended. Intake
+decides nothing about a generation's outcome; it keeps what outlives one launch (the
+training timeout's calibration, stragglers, fault injection, superseded nodes) and turns a
+rank's worker event into its journal event.
 
 Sized for 2,048 nodes x 8 ranks: the exits of one node that arrive in one batch are one
-observation and one ``ranks_exited`` journal event; a stop confirmation marks its node at
+observation (one ``ranks_exited`` journal event); a stop confirmation marks its node at
 once (the stop does not wait for the queue to reach it); a registration retry that changes
-nothing is not journaled again; silences and hangs are checked once per batch of
-observations, from the oldest node and rank only (``deadlines``).
+nothing is not journaled again.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -35,18 +36,12 @@ from orchestrator.contracts.protocol import (
     RegisterResponse,
     WorkerEvent,
 )
-from orchestrator.contracts.state import Cause, JobState, NodeState
+from orchestrator.contracts.state import JobState, NodeState
 from orchestrator.contracts.worker_events import NOTE_NAMES, OTHER_NOTE
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.generation.hangs import (
-    Suspect,
-    TrainingTimeout,
-    any_overdue,
-    find_hangs,
-    silent_after_s,
-)
+from orchestrator.supervisor.generation.hangs import TrainingTimeout
+from orchestrator.supervisor.generation.judge import Observation
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
-from orchestrator.supervisor.generation.outcome import Outcome, exit_reason
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.generation.progress import ProgressTracker
 from orchestrator.supervisor.recordgate import RecordGate
@@ -55,19 +50,13 @@ from orchestrator.supervisor.stability import StabilityHook
 from orchestrator.supervisor.generation.stragglers import StragglerWatch
 
 
-@dataclass(frozen=True)
-class Observation:
-    kind: str  # exit | exits (a list of one node's RankExit) | started | stopped | worker
-    node_id: str
-    payload: Any
-
-
 class UnknownNode(LookupError):
     """A heartbeat or event from a node that has not registered (with this supervisor)."""
 
 
 class Intake:
-    """Takes what agents say (through the API server) and judges the generation by it.
+    """Takes what agents say (through the API server) and queues what the running
+    generation's ``Generation`` judges.
 
     ``health_report`` receives health-round reports (the health coordinator waits on them).
     """
@@ -88,11 +77,10 @@ class Intake:
         self.resumes = ResumeCheck()
         self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
                                  ctx.view.chaos_fired)
-        self.generation: int | None = None
-        self.world_size = 0
-        self.started: dict[str, list[int]] = {}
-        self._started_count = 0  # sum of len(started[...]), kept as it changes
-        self.exits: dict[int, dict[str, Any]] = {}
+        self.generation: int | None = None  # the launch the queue's news is for
+        # Where the ranks of a node that registers again mid-generation go (that launch's
+        # ``Generation``): they count as started.
+        self._live_ranks: Callable[[str, list[int]], None] | None = None
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
         # Nodes that said they run a generation older than the newest launched (a node that
         # was lost and came back with its ranks): told to stop them at the next tick.
@@ -121,10 +109,11 @@ class Intake:
                 self.nodes.move(node, NodeState.ACTIVE, reason="active before the "
                                 "supervisor restart", node_rank=previous.node_rank)
         self._note_superseded(node, req.generation)
-        if req.generation is not None and req.generation == self.generation:
+        if req.generation is not None and req.generation == self.generation \
+                and self._live_ranks is not None:
             # Re-registration mid-generation (supervisor restart, network blip): the ranks
             # it reports alive count as started; exits it holds arrive as queued events.
-            self._set_started(req.node_id, [r.rank for r in req.ranks])
+            self._live_ranks(req.node_id, [r.rank for r in req.ranks])
         if not same:  # a retry of a registration that already counted is not news
             self.ctx.record(ev.NodeRegistered(
                 node_id=req.node_id, host=req.host[:256], addr=req.addr[:256],
@@ -189,19 +178,13 @@ class Intake:
             elif isinstance(event, HealthReport):  # the health round waits on these itself
                 self._health_report(batch.node_id, event, self.ctx.clock.time())
             else:
-                if isinstance(event, RanksStopped):
-                    self._stop_confirmed(node, event)  # the stop waits on this, not the queue
+                if isinstance(event, RanksStopped):  # the stop waits on this, not the queue
+                    node.confirm_stop(event.generation, event.free_port)
                 kind = {RanksStarted: "started", RanksStopped: "stopped",
                         WorkerEvent: "worker"}[type(event)]
                 self.queue.put_nowait(Observation(kind, batch.node_id, event))
         if exits:
             self.queue.put_nowait(Observation("exits", batch.node_id, exits))
-
-    @staticmethod
-    def _stop_confirmed(node: NodeRecord, msg: RanksStopped) -> None:
-        node.stopped_generation = msg.generation
-        if msg.free_port:
-            node.free_port = msg.free_port
 
     async def poll_assignment(self, node_id: str, after: int,
                               timeout: float) -> Assignment | None:
@@ -210,9 +193,12 @@ class Intake:
         return await self.nodes.wait_assignment(node_id, after, timeout)
 
     # -- generations -------------------------------------------------------------------------
-    def begin_generation(self, generation: int, world_size: int, adopting: bool = False) -> None:
-        self.generation, self.world_size = generation, world_size
-        self.started, self.exits, self._started_count = {}, {}, 0
+    def begin_generation(self, generation: int, world_size: int, adopting: bool = False,
+                         live_ranks: Callable[[str, list[int]], None] | None = None) -> None:
+        """``generation`` was launched (or adopted): the queue's news is for it from now on.
+        ``live_ranks`` (its ``Generation.set_started``) takes the ranks a node registering
+        again mid-generation reports alive."""
+        self.generation, self._live_ranks = generation, live_ranks
         self.running_since = None
         known = adopting and generation in self.ctx.view.first_steps
         self.progress.start_generation(generation, world_size, first_step_known=known)
@@ -228,13 +214,6 @@ class Intake:
             if node.state is not NodeState.SPARE:
                 self.nodes.move(node, NodeState.SPARE, node_rank=None)
 
-    def all_started(self, generation: int) -> bool:
-        return generation == self.generation and self._started_count >= self.world_size
-
-    def _set_started(self, node_id: str, ranks: list[int]) -> None:
-        self._started_count += len(ranks) - len(self.started.get(node_id, ()))
-        self.started[node_id] = ranks
-
     def mark_silent_nodes_lost(self) -> list[NodeRecord]:
         held = self.nodes.held_back
         lost = self.nodes.mark_silent_lost(self.cfg.timeouts.node_lost_s)
@@ -248,145 +227,7 @@ class Intake:
                                  judged_silent_s=round(self.nodes.judged_silence(node), 1))
         return lost
 
-    def judge(self, generation: int, obs: Observation | None) -> Outcome | None:
-        """Fold one observation (or a quiet tick) into the generation's outcome, if any."""
-        return self.judge_batch(generation, [] if obs is None else [obs])
-
-    def judge_batch(self, generation: int, batch: list[Observation]) -> Outcome | None:
-        """Fold every observation of ``batch`` (the first outcome wins; later ones are
-        still journaled), then check silences and hangs once for the whole batch."""
-        outcome = None
-        for obs in batch:
-            result = self._observe(generation, obs)
-            outcome = outcome or result
-        # A pending rollback outranks whatever else this observation says (a rank that died
-        # of a NaN, or even completion): the lineage diverged and must be rolled back.
-        divergence = self.stability.divergence(generation)
-        if divergence is not None:
-            return Outcome(Cause.DIVERGENCE, divergence)
-        if outcome is not None:
-            return outcome
-        lost = [n for n in self.mark_silent_nodes_lost()
-                if n.node_rank is not None and n.node_id in self._generation_nodes()]
-        if lost:
-            node = lost[0]
-            return Outcome(Cause.NODE_LOST, {"node_id": node.node_id,
-                                             "message": f"node {node.node_id} went silent"})
-        return self._hang(generation)
-
-    def _hang(self, generation: int) -> Outcome | None:
-        gen = self.progress.current
-        if gen is None or gen.generation != generation or \
-                self.ctx.view.state not in (JobState.LAUNCHING, JobState.RUNNING):
-            return None
-        now = self.nodes.service_time()
-        if not any_overdue(gen, self.cfg.timeouts, self.training_timeout, now):
-            return None
-        suspects = self._beating(find_hangs(gen, self.cfg.timeouts, self.training_timeout,
-                                            now))
-        if not suspects:
-            return None
-        first = suspects[0]
-        node = self._node_of_rank(first.rank)
-        return Outcome(Cause.HANG, {
-            "rank": first.rank, "node_id": node.node_id if node else None,
-            "message": first.describe(),
-            "suspects": [{"rank": s.rank, "phase": s.phase, "step": s.step,
-                          "idle_s": round(s.idle_s, 2), "silent": s.silent,
-                          "timeout_s": round(s.timeout_s, 3),
-                          "beat_age_s": None if s.beat_age_s is None else round(s.beat_age_s, 2)}
-                         for s in suspects]})
-
-    def _beating(self, suspects: list[Suspect]) -> list[Suspect]:
-        """The suspects, once every suspect's node still beats; none while one's node is
-        quiet. A rank quiet because its whole node went quiet is the node-loss check's to
-        judge (with its grace for many silent nodes at once): under a burst of late beats
-        every rank of the late nodes looked hung before any node was due to be lost. And no
-        other suspect is named meanwhile: with the stopped rank's node late to beat (3 s on
-        a loaded CI host), its blocked peer was named as the hang instead of it. The
-        judgement waits for that node's next beat, or for its loss."""
-        if not suspects:
-            return suspects
-        launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}
-        by_rank = {rank: node_id for node_id, rank in launch.get("nodes", {}).items()}
-        ppn = self.cfg.cluster.procs_per_node
-        quiet = silent_after_s(self.cfg.timeouts.heartbeat_interval_s)
-        for s in suspects:
-            node = self.nodes.nodes.get(by_rank.get(s.rank // ppn, ""))
-            if node is not None and self.nodes.judged_silence(node) > quiet:
-                return []
-        return suspects
-
-    def _generation_nodes(self) -> set[str]:
-        launch = self.ctx.view.launches[-1] if self.ctx.view.launches else {}
-        return set(launch.get("nodes", {}))
-
-    def _observe(self, generation: int, obs: Observation) -> Outcome | None:
-        msg = obs.payload
-        if obs.kind == "stopped":
-            self._stop_confirmed(self.nodes.nodes[obs.node_id], msg)
-            self.ctx.record(ev.RanksStopped(node_id=obs.node_id, generation=msg.generation))
-            return None
-        if obs.kind == "exits":
-            return self._exits(generation, obs.node_id, msg)
-        if obs.kind == "worker":
-            self._worker_event(obs.node_id, msg)
-            return None
-        if msg.generation != generation:
-            return None  # a straggler from a generation already handled
-        if obs.kind == "started":
-            self._set_started(obs.node_id, [r.rank for r in msg.ranks])
-            self.ctx.record(ev.RanksStarted(
-                node_id=obs.node_id, generation=generation,
-                ranks=[ev.RankPid(rank=r.rank, pid=r.pid) for r in msg.ranks]))
-            return None
-        # a rank exit
-        info = self._take_exit(obs.node_id, msg)
-        if info is None:
-            return None
-        self.ctx.record(ev.RankExited(generation=generation, exit_ts=msg.ts,
-                                      **{k: v for k, v in info.items() if k != "ts"}))
-        return self._exit_outcome(info)
-
-    def _exits(self, generation: int, node_id: str, msgs: list[RankExit]) -> Outcome | None:
-        """A node's exits that arrived together: one ``ranks_exited`` event; the outcome
-        is that of the first failing exit (or completion once every rank exited 0)."""
-        if msgs[0].generation != generation:
-            return None  # stragglers from a generation already handled
-        taken = [(m, info) for m in msgs if (info := self._take_exit(node_id, m)) is not None]
-        if not taken:
-            return None
-        self.ctx.record(ev.RanksExited(generation=generation, node_id=node_id, exits=[
-            ev.RankExit(exit_ts=m.ts, **{k: v for k, v in info.items()
-                                        if k not in ("ts", "node_id")})
-            for m, info in taken]))
-        outcome = None
-        for _, info in taken:
-            outcome = outcome or self._exit_outcome(info)
-        return outcome
-
-    def _take_exit(self, node_id: str, msg: RankExit) -> dict[str, Any] | None:
-        """Note a rank's first exit in this generation (None: a repeat, or not our rank)."""
-        if msg.rank in self.exits or not 0 <= msg.rank < self.world_size:
-            return None
-        exit_info = {"rank": msg.rank, "node_id": node_id, "pid": msg.pid,
-                     "exit_code": msg.exit_code, "signal": msg.signal, "ts": msg.ts,
-                     "log_tail": [line[:2048] for line in msg.log_tail[-200:]]}
-        error = getattr(msg, "error", None)
-        if error:
-            exit_info["error"] = error
-        self.exits[msg.rank] = exit_info
-        return exit_info
-
-    def _exit_outcome(self, info: dict[str, Any]) -> Outcome | None:
-        if info["exit_code"] != 0 or info["signal"]:
-            return Outcome(Cause.WORKER_EXIT, info)
-        if len(self.exits) >= self.world_size and all(
-                e["exit_code"] == 0 and not e["signal"] for e in self.exits.values()):
-            return Outcome(Cause.COMPLETED, {})
-        return None
-
-    def _worker_event(self, node_id: str, msg: WorkerEvent) -> None:
+    def worker_event(self, node_id: str, msg: WorkerEvent) -> None:
         """Journal a rank's event as its type. The rank, generation and node come from the
         message's envelope, never from its data; data that do not fit the event's model are
         rejected (journaled as ``message_rejected``), never half-applied."""
@@ -466,7 +307,7 @@ class Intake:
                 self.nodes.move(node, NodeState.SPARE, node_rank=None,
                                 reason="back after its generation was superseded")
         for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
-            node = self._node_of_rank(inj.rank)
+            node = self.nodes.node_of_rank(inj.rank, self.cfg.cluster.procs_per_node)
             if node is None:
                 continue
             self.ctx.record(ev.Chaos(id=str(inj.id), rank=inj.rank, signal=inj.signal,
@@ -476,41 +317,6 @@ class Intake:
                                  at_step=inj.step)
             await self.nodes.send_signal(node.node_id, inj.rank, inj.signal)
 
-    def _node_of_rank(self, rank: int) -> NodeRecord | None:
-        ppn = self.cfg.cluster.procs_per_node
-        for node in self.nodes.active():
-            if node.node_rank is not None and node.node_rank * ppn <= rank < \
-                    (node.node_rank + 1) * ppn:
-                return node
-        return None
-
-    # -- failure report ----------------------------------------------------------------------
-    def root_cause(self, generation: int, cause: Cause, detail: dict[str, Any]) -> dict:
-        """The failure record: the earliest failing rank is the root cause."""
-        failing = [e for e in self.exits.values() if e["exit_code"] != 0 or e["signal"]]
-        failing.sort(key=lambda e: e["ts"])
-        root = failing[0] if cause is Cause.WORKER_EXIT and failing else detail
-        message = str(detail.get("message") or _describe_exit(root))[:4096]
-        out = {"generation": generation, "cause": cause.value, "rank": root.get("rank"),
-               "node_id": root.get("node_id"), "exit_code": root.get("exit_code"),
-               "signal": root.get("signal"), "message": message,
-               "log_tail": root.get("log_tail", []),
-               "newest_checkpoint_step": self.ctx.view.newest_checkpoint_step,
-               "newest_memory_step": self.progress.memory_step,
-               "last_step": self.progress.current.last_step if self.progress.current else None,
-               "other_exits": [{k: e[k] for k in ("rank", "exit_code", "signal")}
-                               for e in failing[1:_MAX_LISTED + 1]]}
-        if root.get("error"):
-            out["error"] = root["error"]
-        for key in ("suspects", "stacks"):  # the first ones; every stack file is in stacks/
-            if key in detail:
-                out[key] = detail[key][:_MAX_LISTED]
-        return out
-
-
-# A failure lists this many other exits, suspects and stack files at most (at 2,048 x 8 a
-# stop's SIGTERMs are 16k "other exits"): the earliest, which are the ones that explain it.
-_MAX_LISTED = 256
 
 
 def _first_problem(exc: Exception) -> str:
@@ -518,14 +324,3 @@ def _first_problem(exc: Exception) -> str:
         err = exc.errors(include_url=False)[0]
         return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"[:300]
     return str(exc)[:300]
-
-
-def _describe_exit(e: dict[str, Any]) -> str:
-    if not e:
-        return "unknown failure"
-    where = f"rank {e.get('rank')} on node {e.get('node_id')}"
-    reason = exit_reason(e)  # its error file, a spawn's OS error, else its last line
-    why = f": {reason}" if reason else ""
-    if e.get("signal"):
-        return f"{where} was killed by {e['signal']}{why}"
-    return f"{where} exited with code {e.get('exit_code')}{why}"

@@ -78,6 +78,12 @@ class NodeRecord:
     def usable(self) -> bool:
         return self.state in (NodeState.REGISTERED, NodeState.ACTIVE, NodeState.SPARE)
 
+    def confirm_stop(self, generation: int | None, free_port: int | None) -> None:
+        """The agent said the ranks of ``generation`` stopped (and which port is free)."""
+        self.stopped_generation = generation
+        if free_port:
+            self.free_port = free_port
+
 
 class NodeRegistry:
     """Nodes by id, and the owner of every node state change. All methods run on the
@@ -305,6 +311,14 @@ class NodeRegistry:
     def active(self) -> list[NodeRecord]:
         nodes = self.with_state(NodeState.ACTIVE)
         return sorted(nodes, key=lambda n: n.node_rank if n.node_rank is not None else 1 << 30)
+
+    def node_of_rank(self, rank: int, procs_per_node: int) -> NodeRecord | None:
+        """The active node whose node rank holds global ``rank``, if any."""
+        for node in self.active():
+            if node.node_rank is not None and node.node_rank * procs_per_node <= rank < \
+                    (node.node_rank + 1) * procs_per_node:
+                return node
+        return None
 
     def counts(self) -> dict[str, int]:
         return {s.value: self._counts[s] for s in NodeState}

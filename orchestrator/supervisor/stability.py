@@ -6,8 +6,8 @@ detectors: its state survives worker restarts because it never lived in a worker
 step is handled by the lineage rules (reset to the snapshot of the checkpoint the generation
 resumed from). Every event becomes a ``stability`` journal event, a metric
 (``SupervisorMetrics.on_stability``) and a log line. A rule whose action is ``rollback`` or
-``lower_lr`` leaves a ``RollbackPlan`` pending; ``Intake.judge`` turns it into a ``divergence``
-outcome and the recovery path calls ``roll_back``.
+``lower_lr`` leaves a ``RollbackPlan`` pending; the launch's ``Generation.judge`` turns it into a
+``divergence`` outcome and the recovery path calls ``roll_back``.
 
 Surviving a supervisor restart: ``steps.jsonl`` is the source of truth, and replaying it through
 the same monitor rebuilds the same state. Replaying a long run costs ~35 us a record (100,000
@@ -128,6 +128,11 @@ class StabilityHook:
         # land in RECOVERING, when nothing is pending any more).
         self.rolled_back: int = max((int(r.get("generation") or 0)
                                      for r in ctx.recorder.view.rollbacks), default=0)
+
+    def launched(self) -> None:
+        """A launch carried ``resume_max_step`` to its ranks: a rollback's limit holds for
+        that one launch only."""
+        self.resume_max_step = None
 
     # -- the live stream -----------------------------------------------------------------------
     def on_records(self, generation: int, records: list[StepRecord]) -> None:

@@ -5,6 +5,10 @@ torch elastic splits its agent into ``_start_workers``, ``_monitor_workers`` and
 (``core.Supervisor._drive``) decides what happens next from what these return; they change
 no job state themselves (node states go through the registry's state machine, events
 through the recorder). Every deadline and sleep reads the one clock.
+
+Each launch (or adoption) gets its own ``judge.Generation``: the observe and stop loops hand
+it what the intake queued, and it returns the launch's outcome. The intake only learns
+which launch its news is for.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from orchestrator.contracts.rundir import is_remote, stack_file_name
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation.hangs import collective_timeout_s
+from orchestrator.supervisor.generation.judge import Generation, Observation
 from orchestrator.supervisor.generation.outcome import Outcome
-from orchestrator.supervisor.intake import Intake, Observation
+from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.stability import StabilityHook
@@ -63,6 +68,32 @@ class GenerationParts:
         self.stability = stability
         self.stop_requested = stop_requested
         self._transition = transition
+        self.current: Generation | None = None  # the launch observed (or adopted) last
+
+    # -- the launch's judge ------------------------------------------------------------------
+    def begin(self, generation: int, world_size: int, adopting: bool = False) -> Generation:
+        """A new ``Generation`` for the launch (or adoption) of ``generation``; the intake's
+        news of ranks is for it from now on."""
+        self.current = self._generation(generation, world_size)
+        self.intake.begin_generation(generation, world_size, adopting=adopting,
+                                     live_ranks=self.current.set_started)
+        return self.current
+
+    def judging(self, generation: int) -> Generation:
+        """The ``Generation`` that judges ``generation``: the one launched or adopted. A
+        supervisor restarted mid-generation and stopped before it adopted any has none:
+        then one of no ranks, which journals what the agents say and counts no exit."""
+        if self.current is not None and self.current.number == generation:
+            return self.current
+        return self._generation(generation, 0)
+
+    def _generation(self, generation: int, world_size: int) -> Generation:
+        intake = self.intake
+        return Generation(generation, world_size, ctx=self.ctx, nodes=self.nodes,
+                          progress=intake.progress, training_timeout=intake.training_timeout,
+                          divergence=self.stability.divergence,
+                          mark_lost=intake.mark_silent_nodes_lost,
+                          on_worker=intake.worker_event)
 
     # -- launch ------------------------------------------------------------------------------
     async def launch(self, generation: int, placement: Placement,
@@ -76,7 +107,7 @@ class GenerationParts:
         master = nodes.nodes[rank0]
         ppn = self.cfg.cluster.procs_per_node
         env = self.generation_env(generation)
-        self.stability.resume_max_step = None  # a rollback's limit holds for one launch only
+        self.stability.launched()  # a rollback's limit holds for one launch only
         entrypoint, preload = self.entrypoint(), self.preload()  # the same for every node
         assignments = {}
         for node_id, node_rank in placement.active.items():
@@ -100,7 +131,7 @@ class GenerationParts:
             master_port=master.free_port, nodes=placement.active, spares=placement.spares,
             after_cause=after, resume_step=view.newest_checkpoint_step,
             assignments=assignments, in_place=in_place, replaced=sorted(replace or []))
-        self.intake.begin_generation(generation, self.cfg.cluster.world_size)
+        self.begin(generation, self.cfg.cluster.world_size)
         self.ctx.record(launched, durable=True)
         for node_id, assignment in assignments.items():
             await nodes.assign(node_id, **assignment)
@@ -190,6 +221,7 @@ class GenerationParts:
         observation with an ``operator`` outcome, unless ``within_s`` bounds it instead (the
         ranks' final checkpoint after a stop): then TimeoutError when it runs out."""
         intake, clock = self.intake, self.ctx.clock
+        judge = self.judging(generation)
         launch_deadline = clock.monotonic() + self.cfg.timeouts.launch_s
         end = None if within_s is None else clock.monotonic() + within_s
         while True:
@@ -197,9 +229,9 @@ class GenerationParts:
                 return Outcome(Cause.OPERATOR, {})
             if end is not None and clock.monotonic() > end:
                 raise TimeoutError
-            outcome = intake.judge_batch(generation, await self._next_batch())
+            outcome = judge.judge(await self._next_batch())
             # Every rank started within the batch that also ends the generation: it ran.
-            if self.ctx.view.state is JobState.LAUNCHING and intake.all_started(generation):
+            if self.ctx.view.state is JobState.LAUNCHING and judge.all_started():
                 self._transition(JobState.RUNNING)
             if outcome is not None:
                 return outcome if outcome.cause is not Cause.COMPLETED else None
@@ -232,7 +264,7 @@ class GenerationParts:
         agent). Returns the outcome when the generation cannot go on (a node did not come
         back, or the supervisor died while stopping it), else None: observe on."""
         launch = self.ctx.view.launches[-1]
-        self.intake.begin_generation(generation, launch["world_size"], adopting=True)
+        judge = self.begin(generation, launch["world_size"], adopting=True)
         assignments: dict[str, dict[str, Any]] = launch["assignments"]
         clock = self.ctx.clock
         deadline = clock.monotonic() + self.cfg.timeouts.node_lost_s
@@ -245,7 +277,7 @@ class GenerationParts:
             if node_id not in missing:
                 node = self.nodes.nodes[node_id]
                 if node.generation == generation:  # registered before we were listening
-                    self.intake.started[node_id] = sorted(node.ranks)
+                    judge.adopt_started(node_id, sorted(node.ranks))
                 await self.nodes.assign(node_id, **assignment)
         if self.ctx.view.state is JobState.STOPPING:
             return Outcome(Cause.NODE_LOST, {
@@ -328,7 +360,7 @@ class GenerationParts:
     async def stop(self, generation: int) -> None:
         """STOPPING: stop every rank of the generation, wait for agents to confirm; a node
         that does not confirm in time is LOST."""
-        nodes = self.nodes
+        nodes, judge = self.nodes, self.judging(generation)
         waiting = [n for n in nodes.active() if n.state is NodeState.ACTIVE]
         for node in waiting:
             await nodes.assign(node.node_id, action="stop", generation=generation)
@@ -346,9 +378,9 @@ class GenerationParts:
                 # Every node confirmed on arrival; what they said (their stops and exits)
                 # is journaled before the next generation, when it would be a straggler.
                 while not self.intake.queue.empty():
-                    self.intake.judge_batch(generation, await self._next_batch())
+                    judge.judge(await self._next_batch())
                 return
-            self.intake.judge_batch(generation, await self._next_batch())
+            judge.judge(await self._next_batch())
         for node in waiting:
             if node.stopped_generation != generation and node.state is NodeState.ACTIVE:
                 nodes.move(node, NodeState.LOST, reason="did not confirm the stop in time "

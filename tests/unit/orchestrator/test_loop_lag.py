@@ -9,7 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from fakes import FakeClock, FakeLog, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,7 +171,7 @@ def test_ranks_of_a_silent_node_are_left_to_the_node_loss_check(tmp_path: Path) 
         nodes.move(nodes.nodes[n], NodeState.ACTIVE, node_rank=i)
     ctx.recorder.view.launches.append({"generation": 1, "nodes": {"n0": 0, "n1": 1}})
     ctx.recorder.view.state = JobState.RUNNING
-    intake.begin_generation(1, 4)
+    gen = begin_generation(intake, 1, 4)
 
     def beat(node: str, ranks: range, step: int) -> None:
         infos = [RankInfo(rank=r, local_rank=r % 2, step=step, phase="training",
@@ -184,7 +184,7 @@ def test_ranks_of_a_silent_node_are_left_to_the_node_loss_check(tmp_path: Path) 
     for t in range(12):  # n0 beats on, its ranks advancing; n1 falls silent
         clock.advance(1.0)
         beat("n0", range(2), 2 + t)
-    assert intake.judge_batch(1, []) is None  # n1's ranks: its node's silence, not a hang
+    assert gen.judge([]) is None  # n1's ranks: its node's silence, not a hang
     clock.advance(1.0)
     infos = [RankInfo(rank=r, local_rank=r % 2, step=3, phase="training",
                       beat_ts=clock.time(), step_interval_max=0.5) for r in range(2, 4)]
@@ -194,7 +194,7 @@ def test_ranks_of_a_silent_node_are_left_to_the_node_loss_check(tmp_path: Path) 
         clock.advance(1.0)
         beat("n0", range(2), 20)
         beat("n1", range(2, 4), 3)
-    outcome = intake.judge_batch(1, [])  # ... for 11 s while beating: a hang
+    outcome = gen.judge([])  # ... for 11 s while beating: a hang
     assert outcome is not None and outcome.cause is Cause.HANG
     assert outcome.detail["rank"] in (2, 3) and outcome.detail["node_id"] == "n1"
 
@@ -216,7 +216,7 @@ def test_no_peer_is_named_while_the_stopped_ranks_node_is_late_to_beat(tmp_path:
         nodes.move(nodes.nodes[n], NodeState.ACTIVE, node_rank=i)
     ctx.recorder.view.launches.append({"generation": 1, "nodes": {"n0": 0, "n1": 1}})
     ctx.recorder.view.state = JobState.RUNNING
-    intake.begin_generation(1, 2)
+    gen = begin_generation(intake, 1, 2)
 
     def beat(node: str, rank: int, beat_ts: float) -> None:
         infos = [RankInfo(rank=rank, local_rank=0, step=5, phase="training", beat_ts=beat_ts,
@@ -230,9 +230,9 @@ def test_no_peer_is_named_while_the_stopped_ranks_node_is_late_to_beat(tmp_path:
     for _ in range(4):  # rank 0 blocked at step 5, beating; n1's agent silent for 4 s
         clock.advance(1.0)
         beat("n0", 0, clock.time())
-    assert intake.judge_batch(1, []) is None
+    assert gen.judge([]) is None
     clock.advance(0.5)
     beat("n1", 1, stopped_at)  # the agent's late beat: rank 1 has not beaten since its stop
-    outcome = intake.judge_batch(1, [])
+    outcome = gen.judge([])
     assert outcome is not None and outcome.cause is Cause.HANG
     assert outcome.detail["rank"] == 1 and outcome.detail["node_id"] == "n1"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeLog, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -52,7 +52,7 @@ class Desk:
             self.ctx.record(ev.Transition(to=to, generation=1))
         self.ctx.record(ev.GenerationLaunched(generation=1,
                                               world_size=self.cfg.cluster.world_size))
-        self.intake.begin_generation(1, self.cfg.cluster.world_size)
+        begin_generation(self.intake, 1, self.cfg.cluster.world_size)
         for node in self.nodes.active():
             base = node.node_rank * self.ppn
             infos = [RankInfo(rank=r, local_rank=r - base, step=steps.get(r),
@@ -124,7 +124,7 @@ def test_a_restart_abandons_a_pending_profile(tmp_path: Path) -> None:
     d.order(steps=2)
     d.ctx.record(ev.ProfileFailed(id=1, rank=2, error="the rank finished"))
     d.ctx.record(ev.GenerationLaunched(generation=2, world_size=4))
-    d.intake.begin_generation(2, 4)
+    begin_generation(d.intake, 2, 4)
     listed = build_status(d.ctx.view, d.ctx.rundir)["profiles"][0]
     assert listed["state"] == "abandoned" and listed["failed"] == {"2": "the rank finished"}
 

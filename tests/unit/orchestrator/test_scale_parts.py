@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from fakes import FakeClock, FakeLog, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,17 +123,17 @@ def test_a_registration_retry_is_no_new_event(tmp_path: Path) -> None:
 def test_a_nodes_exits_are_one_event_and_the_books_fold_it(tmp_path: Path) -> None:
     intake, _, ctx = _intake(tmp_path)
     intake.on_register(_request("n0"))
-    intake.begin_generation(1, 16)
+    gen = begin_generation(intake, 1, 16)
     exits = [RankExit(generation=1, rank=r, exit_code=None, signal="SIGTERM", ts=5.0 + r)
              for r in range(8)]
     exits[3] = RankExit(generation=1, rank=3, exit_code=1, ts=4.0, log_tail=["boom"])
     intake.on_events(EventBatch(node_id="n0", events=exits))
     assert intake.queue.qsize() == 1
-    outcome = intake.judge_batch(1, [intake.queue.get_nowait()])
+    outcome = gen.judge([intake.queue.get_nowait()])
     assert outcome is not None and outcome.cause is Cause.WORKER_EXIT
     (event,) = _kinds(ctx, "ranks_exited")
     assert [x["rank"] for x in event["exits"]] == list(range(8))
-    failure = intake.root_cause(1, Cause.WORKER_EXIT, outcome.detail)
+    failure = gen.root_cause(Cause.WORKER_EXIT, outcome.detail)
     assert failure["rank"] == 3 and len(failure["other_exits"]) == 7
     envs = list(read_journal(ctx.rundir.journal))  # type: ignore[attr-defined]
     assert any(isinstance(e.event, ev.RanksExited) for e in envs)

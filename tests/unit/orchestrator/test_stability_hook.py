@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeLog, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context
 from prometheus_client import CollectorRegistry
 
 from orchestrator.config import Config
@@ -113,9 +113,10 @@ def test_a_rollback_rule_is_journaled_counted_logged_and_pending(sup: FakeSuperv
 
 def test_judge_turns_a_pending_rollback_into_a_divergence_outcome(sup: FakeSupervisor) -> None:
     intake = Intake(sup.ctx, NodeRegistry(sup.clock), sup.stability, lambda *a: None)
-    assert intake.judge(1, None) is None
+    gen = begin_generation(intake, 1, 1)
+    assert gen.judge([]) is None
     sup.beat(1, records(1, 24) + records(25, 25, {25: 900.0}))
-    outcome = intake.judge(1, None)
+    outcome = gen.judge([])
     assert outcome is not None and outcome.cause is Cause.DIVERGENCE
     assert outcome.detail["step"] == 25
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from fakes import FakeClock, FakeLog, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context
 
 from orchestrator.contracts import env as ec
 from orchestrator.contracts import events as ev
@@ -54,7 +54,7 @@ def test_a_node_back_with_a_superseded_generation_stops_it_and_is_a_spare(
     nodes.move(n1, NodeState.LOST, reason="silent for 10.0 s")
     nodes.move(n2, NodeState.ACTIVE, node_rank=1)
     _launch(ctx, nodes, 2, {"n0": 0, "n2": 1}, 20)
-    intake.begin_generation(2, 2)
+    begin_generation(intake, 2, 2)
     # n2's agent has not started generation 2 yet: its beat still says 1. Not touched.
     intake.on_heartbeat(Heartbeat(node_id="n2", generation=1))
     # n1 is back, its ranks still in generation 1.

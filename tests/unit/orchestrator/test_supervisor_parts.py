@@ -18,7 +18,8 @@ from orchestrator.contracts.protocol import RankExit, RanksStarted, RanksStopped
     RegisterRequest, WorkerEvent
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.generation.parts import TICK_S, GenerationParts
-from orchestrator.supervisor.intake import Intake, Observation
+from orchestrator.supervisor.generation.judge import Observation
+from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NODE_MOVES, IllegalNodeMove, NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook
 
@@ -104,26 +105,26 @@ def exited(node: str, rank: int, code: int | None = 0, signal: str | None = None
 
 
 def test_clean_exits_of_every_rank_complete_the_generation(p: Parts) -> None:
-    p.intake.begin_generation(1, 2)
+    gen = p.parts.begin(1, 2)
     for obs in (started("n0", 0), started("n1", 1), exited("n0", 0)):
-        assert p.intake.judge(1, obs) is None
-    outcome = p.intake.judge(1, exited("n1", 1))
+        assert gen.judge([obs]) is None
+    outcome = gen.judge([exited("n1", 1)])
     assert outcome is not None and outcome.cause is Cause.COMPLETED
 
 
 def test_exits_of_ranks_outside_the_world_change_nothing(p: Parts) -> None:
-    p.intake.begin_generation(1, 2)
+    gen = p.parts.begin(1, 2)
     for rank in (1000, 1001):
-        assert p.intake.judge(1, exited("n0", rank)) is None
-    assert p.intake.exits == {}
+        assert gen.judge([exited("n0", rank)]) is None
+    assert gen.exits == {}
 
 
 def test_the_earliest_failing_rank_is_the_root_cause(p: Parts) -> None:
-    p.intake.begin_generation(1, 2)
-    first = p.intake.judge(1, exited("n1", 1, code=None, signal="SIGKILL", ts=5.0))
+    gen = p.parts.begin(1, 2)
+    first = gen.judge([exited("n1", 1, code=None, signal="SIGKILL", ts=5.0)])
     assert first is not None and first.cause is Cause.WORKER_EXIT
-    p.intake.judge(1, exited("n0", 0, code=1, ts=5.5))  # its peer, a moment later
-    failure = p.intake.root_cause(1, Cause.WORKER_EXIT, first.detail)
+    gen.judge([exited("n0", 0, code=1, ts=5.5)])  # its peer, a moment later
+    failure = gen.root_cause(Cause.WORKER_EXIT, first.detail)
     assert (failure["rank"], failure["node_id"], failure["signal"]) == (1, "n1", "SIGKILL")
     assert failure["other_exits"] == [{"rank": 0, "exit_code": 1, "signal": None}]
     ev.Failure(**failure)  # and it is a valid journal event
@@ -134,22 +135,23 @@ def test_the_earliest_failing_rank_is_the_root_cause(p: Parts) -> None:
                                   {"step": 3, "path": "x" * 10_000}])
 def test_a_worker_event_that_does_not_fit_its_type_is_rejected_not_journaled(
         p: Parts, data: dict[str, Any]) -> None:
-    p.intake.begin_generation(1, 2)
+    gen = p.parts.begin(1, 2)
     # model_construct: the API refuses these data at parse time (tests/unit/orchestrator/
     # test_protocol.py); here they reach intake anyway, to test its own second line.
-    p.intake.judge(1, Observation("worker", "n0", WorkerEvent.model_construct(
-        type="worker", generation=1, rank=0, name="checkpoint_committed", data=data, ts=1.0)))
+    gen.judge([Observation("worker", "n0", WorkerEvent.model_construct(
+        type="worker", generation=1, rank=0, name="checkpoint_committed", data=data,
+        ts=1.0))])
     assert p.events("checkpoint_committed") == []
     assert p.events("message_rejected")[-1]["node_id"] == "n0"
     assert p.ctx.view.newest_checkpoint_step is None
 
 
 def test_worker_event_data_cannot_speak_for_another_rank_or_the_envelope(p: Parts) -> None:
-    p.intake.begin_generation(1, 2)
-    p.intake.judge(1, Observation("worker", "n0", WorkerEvent.model_construct(
+    gen = p.parts.begin(1, 2)
+    gen.judge([Observation("worker", "n0", WorkerEvent.model_construct(
         type="worker", generation=1, rank=0, name="checkpoint_committed", ts=1.0,
         data={"step": 7, "generation": 99, "rank": 5, "seq": 1, "kind": "transition",
-              "node_id": "n1"})))
+              "node_id": "n1"}))])
     (committed,) = p.events("checkpoint_committed")
     assert (committed["generation"], committed["rank"], committed["step"]) == (1, 0, 7)
     assert committed["seq"] > 1
@@ -175,7 +177,7 @@ def test_a_node_that_never_confirms_the_stop_is_lost_at_the_deadline(p: Parts) -
 
 def test_launch_waits_for_every_rank_then_moves_to_running(p: Parts) -> None:
     async def scenario() -> Any:
-        p.intake.begin_generation(1, 2)
+        p.parts.begin(1, 2)
         p.ctx.recorder.view.state = JobState.LAUNCHING
         for obs in (started("n0", 0), started("n1", 1), exited("n0", 0, code=3)):
             p.intake.queue.put_nowait(obs)
@@ -188,7 +190,7 @@ def test_launch_waits_for_every_rank_then_moves_to_running(p: Parts) -> None:
 
 def test_ranks_that_never_start_fail_the_launch_at_its_deadline(p: Parts) -> None:
     async def scenario() -> Any:
-        p.intake.begin_generation(1, 2)
+        p.parts.begin(1, 2)
         p.ctx.recorder.view.state = JobState.LAUNCHING
         p.intake.queue.put_nowait(started("n0", 0))
         start = p.clock.monotonic()
@@ -213,14 +215,15 @@ def test_a_launchs_or_stops_backlog_is_judged_a_few_dozen_at_a_time(
     p = Parts(tmp_path, nodes=n)
     judged: list[int] = []  # observations judged since the watcher's last turn
     since_turn = [0]
-    judge_batch = p.intake.judge_batch
+    gen = p.parts.begin(1, n)
+    judge = gen.judge
 
-    def counting(generation: int, batch: list[Observation]) -> Any:
+    def counting(batch: list[Observation]) -> Any:
         since_turn[0] += len(batch)
         judged.append(len(batch))
-        return judge_batch(generation, batch)
+        return judge(batch)
 
-    p.intake.judge_batch = counting  # type: ignore[method-assign]
+    gen.judge = counting  # type: ignore[method-assign]
     per_turn: list[int] = []
 
     async def watcher() -> None:
@@ -231,7 +234,6 @@ def test_a_launchs_or_stops_backlog_is_judged_a_few_dozen_at_a_time(
         p.stop.set()
 
     async def scenario() -> None:
-        p.intake.begin_generation(1, n)
         for i in range(n):
             p.intake.queue.put_nowait(
                 started(f"n{i}", i) if loop == "observe" else
@@ -248,7 +250,7 @@ def test_a_launchs_or_stops_backlog_is_judged_a_few_dozen_at_a_time(
     assert sum(judged) == n
     assert max(per_turn + [since_turn[0]]) <= 64, per_turn
     if loop == "observe":
-        assert p.intake.all_started(1)
+        assert gen.all_started()
         assert len(p.events("ranks_started")) == n
     else:
         assert all(node.state is NodeState.ACTIVE for node in p.nodes.nodes.values())
@@ -263,7 +265,7 @@ def test_a_stop_confirmed_on_arrival_still_journals_every_nodes_exits(tmp_path: 
     p = Parts(tmp_path, nodes=n)
 
     async def scenario() -> None:
-        p.intake.begin_generation(1, n)
+        p.parts.begin(1, n)
         for i in range(n):
             p.nodes.nodes[f"n{i}"].stopped_generation = 1  # as Intake.on_events marks it
             p.intake.queue.put_nowait(
