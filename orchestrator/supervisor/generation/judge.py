@@ -77,14 +77,10 @@ class Generation:
         return self._started_count >= self.world_size
 
     def set_started(self, node_id: str, ranks: list[int]) -> None:
-        """The ranks of ``node_id`` that run this generation (its starts, or what a node
-        that registered again mid-generation reports alive)."""
+        """The ranks of ``node_id`` that run this generation (its starts, what a node that
+        registered again mid-generation reports alive, or what an adopted node ran before
+        this supervisor listened)."""
         self._started_count += len(ranks) - len(self.started.get(node_id, ()))
-        self.started[node_id] = ranks
-
-    def adopt_started(self, node_id: str, ranks: list[int]) -> None:
-        """The ranks an adopted node ran before this supervisor listened: kept as that
-        node's list, the count toward ``all_started`` left as it is."""
         self.started[node_id] = ranks
 
     # -- judgement ---------------------------------------------------------------------------

@@ -277,7 +277,7 @@ class GenerationParts:
             if node_id not in missing:
                 node = self.nodes.nodes[node_id]
                 if node.generation == generation:  # registered before we were listening
-                    judge.adopt_started(node_id, sorted(node.ranks))
+                    judge.set_started(node_id, sorted(node.ranks))
                 await self.nodes.assign(node_id, **assignment)
         if self.ctx.view.state is JobState.STOPPING:
             return Outcome(Cause.NODE_LOST, {

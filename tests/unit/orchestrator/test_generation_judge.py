@@ -6,6 +6,7 @@ queues."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from orchestrator.contracts.protocol import (
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.journal.store import read_events
 from orchestrator.supervisor.generation.judge import Generation, Observation
+from orchestrator.supervisor.generation.parts import GenerationParts
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook
@@ -107,11 +109,24 @@ def test_a_node_registering_again_mid_generation_counts_its_live_ranks(
     assert launch.gen.all_started()
 
 
-def test_an_adopted_nodes_ranks_are_kept_but_not_counted(launch: Launch) -> None:
-    launch.gen.adopt_started("n0", [0, 1])
-    launch.gen.adopt_started("n1", [2, 3])
-    assert launch.gen.started == {"n0": [0, 1], "n1": [2, 3]}
-    assert not launch.gen.all_started()
+def test_a_supervisor_adopting_a_launch_counts_the_ranks_started_before_it(
+        launch: Launch) -> None:
+    """A supervisor restarted while LAUNCHING adopts ranks that started before it listened
+    (their agents registered again with them): they count, or the launch would never be
+    seen running and its deadline would end it."""
+    for i in range(2):
+        launch.intake.on_register(RegisterRequest(
+            node_id=f"n{i}", host="h", addr="127.0.0.1", procs=PPN, agent_pid=100 + i,
+            generation=2, ranks=started(2, i).ranks))
+    launch.ctx.recorder.view.state = JobState.LAUNCHING
+    launch.ctx.recorder.view.launches[-1].update(
+        world_size=4, assignments={f"n{i}": {"generation": 2} for i in range(2)})
+    parts = GenerationParts(launch.ctx, launch.nodes, launch.intake, launch.intake.stability,
+                            asyncio.Event(), lambda state: None)
+    assert asyncio.run(parts.adopt(2)) is None
+    adopted = parts.judging(2)
+    assert adopted.started == {"n0": [0, 1], "n1": [2, 3]}
+    assert adopted.all_started()
 
 
 def test_a_failing_exit_is_a_worker_exit_with_the_ranks_facts(launch: Launch) -> None:
