@@ -23,10 +23,13 @@ ROOT = Path(__file__).resolve().parents[3]
 _PROBE = """
 import json, os, sys
 import trainer.warm_compile  # what the agent preloads when the job compiles
+# TorchDynamo's cache is what is tested, not Inductor's kernels: AOTAutograd's eager backend
+# keeps the capture, the guards and the lookups, without a C++ compile per graph.
+from trainer.backends import native, torchneuron
+native.compile_kwargs = torchneuron.compile_kwargs = lambda device_type: {"backend": "aot_eager"}
 from torch._dynamo.utils import counters
 from trainer import standby
 import weakref
-from trainer.backends import native
 built = []
 build = native.NativeBackend.build_model
 def build_copy(self, s, d):
