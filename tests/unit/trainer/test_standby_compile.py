@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.servers import free_port
 from trainer import standby_compile
@@ -121,3 +123,31 @@ def test_the_copy_keeps_at_most_two_blocks_and_everything_else(tmp_path: Path, l
     assert small.trainer.data == settings.trainer.data
     assert small.trainer.parallelism == settings.trainer.parallelism
     assert small.config_hash == settings.config_hash
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8),
+                    st.floats(allow_nan=True, allow_infinity=True),
+                    st.dictionaries(st.text(max_size=4), st.floats(), max_size=2))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.from_regex(r"[a-z_]{1,12}(_s|_graphs|_mib)?", fullmatch=True),
+                       _VALUES, max_size=8))
+def test_whatever_a_standby_prepared_its_startup_figures_fit_the_event(
+        prepared: dict[str, object]) -> None:
+    """The standby's figures cross into the rank's ``startup`` event: only bounded numbers
+    go, so no preparation can make the event invalid."""
+    from orchestrator.contracts.worker_events import Startup
+    from trainer import main, standby
+
+    saved = dict(standby.PREPARED)
+    standby.PREPARED.clear()
+    standby.PREPARED.update(prepared)
+    try:
+        figures = main.standby_figures()
+    finally:
+        standby.PREPARED.clear()
+        standby.PREPARED.update(saved)
+    Startup(first_step_done=1.7e9, **figures)
+    assert all(k.startswith("standby_") and isinstance(v, float) for k, v in figures.items())
+    assert len(figures) <= len(prepared)
