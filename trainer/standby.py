@@ -32,7 +32,8 @@ PREPARED: dict[str, Any] = {}
 
 
 def prepare(local_rank: int) -> None:
-    """Device context, compile cache, page-locked memory slots (see the module)."""
+    """Device context, compile cache, page-locked memory slots, then the step compiled
+    ahead (see the module)."""
     t0 = time.time()
     import torch
 
@@ -47,9 +48,9 @@ def prepare(local_rank: int) -> None:
     cache = compile_cache_path(os.environ)
     if cache is not None and cache.is_file():
         PREPARED["compile_cache"] = load_compile_cache(cache)
-    if "torch._inductor.compile_fx" in sys.modules:  # the job compiles (trainer.warm_compile)
+    compiles = "torch._inductor.compile_fx" in sys.modules  # trainer.warm_compile
+    if compiles:
         PREPARED["inductor_key"] = inductor_key()
-        PREPARED.update(compile_step_ahead(local_rank))
     memory = ec.AgentEnv.from_env(os.environ).memory_dir
     rank = ec.get_int(os.environ, "RANK", None, minimum=0)
     if memory and rank is not None and torch.cuda.is_available():
@@ -59,25 +60,27 @@ def prepare(local_rank: int) -> None:
         # Slots whose first copy comes later (this standby started with the job) are
         # page-locked as their copies are committed, until the hand-off.
         watch_own_slots(Path(memory), rank)
+    if compiles:  # last: whatever happens to it, the rest is prepared
+        PREPARED.update(compile_step_ahead(local_rank))
     PREPARED["prepare_s"] = time.time() - t0
 
 
 def compile_step_ahead(local_rank: int) -> dict[str, Any]:
     """The job's step compiled ahead on a copy of the model (``trainer.standby_compile``);
     what it did, or why it did not."""
-    config = ec.AgentEnv.from_env(os.environ).config_path
-    rank = ec.get_int(os.environ, "RANK", None, minimum=0)
-    world = ec.get_int(os.environ, "WORLD_SIZE", None, minimum=1)
-    if not config or rank is None or world is None:
-        return {"compile_ahead": "no job config or rank in the standby's environment"}
     from trainer import standby_compile
     from trainer.settings import load_settings
 
-    settings = load_settings(config)
-    why = standby_compile.why_not(settings)
-    if why is not None:
-        return {"compile_ahead": why}
     try:
+        config = ec.AgentEnv.from_env(os.environ).config_path
+        rank = ec.get_int(os.environ, "RANK", None, minimum=0)
+        world = ec.get_int(os.environ, "WORLD_SIZE", None, minimum=1)
+        if not config or rank is None or world is None:
+            return {"compile_ahead": "no job config or rank in the standby's environment"}
+        settings = load_settings(config)
+        why = standby_compile.why_not(settings)
+        if why is not None:
+            return {"compile_ahead": why}
         done = standby_compile.compile_ahead(settings, local_rank, rank, world)
     except Exception as exc:  # noqa: BLE001 - best effort: the rank compiles at its first step
         return {"compile_ahead": f"failed: {type(exc).__name__}: {exc}"[:300]}

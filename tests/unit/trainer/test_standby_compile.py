@@ -98,6 +98,28 @@ def test_the_rank_a_standby_becomes_compiles_nothing_at_its_first_step(tmp_path:
     assert result["after"] == result["before"], result  # every lookup hit the standby's
 
 
+@pytest.mark.parametrize(("config", "env", "words"), [
+    ("{not json", {"RANK": "0", "WORLD_SIZE": "2"}, "failed: "),
+    ('{"trainer": {"parallelism": {"compile": true}}}', {"RANK": "x", "WORLD_SIZE": "2"},
+     "failed: "),
+    ('{"trainer": {"parallelism": {"compile": true}}}', {"RANK": "0"}, "no job config or rank"),
+    ('{"trainer": {"steps": 50}}', {"RANK": "0", "WORLD_SIZE": "2"}, "does not compile"),
+])
+def test_a_standby_that_cannot_compile_ahead_says_why_and_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str, env: dict[str, str],
+        words: str) -> None:
+    """A damaged config or environment never fails the rest of the standby's preparation."""
+    from trainer import standby
+
+    path = tmp_path / "config.json"
+    path.write_text(config)
+    monkeypatch.setenv("ORCH_CONFIG", str(path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert words in standby.compile_step_ahead(0)["compile_ahead"]
+
+
 def test_what_cannot_be_compiled_ahead_says_why(tmp_path: Path) -> None:
     settings = load_settings(str(_config(tmp_path)))
     assert standby_compile.why_not(settings) is None
