@@ -109,7 +109,7 @@ def _step_on_copy(settings: Any, dctx: Any) -> None:
     backend.setup(small, dctx)
     model = backend.build_model(small, dctx)
     stepper = backend.build_stepper(model, None, None, small, dctx)
-    inputs, targets = _batch(small, dctx.device)
+    inputs, targets = random_batch(small, dctx.device)
     stepper.forward_backward(inputs, targets, True, 1.0)
     if dctx.device.type == "cuda":
         torch.cuda.synchronize(dctx.device)
@@ -125,7 +125,7 @@ def _fake_backend() -> str:
     return "fake"
 
 
-def _batch(settings: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(settings: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch of random tokens, shaped and typed as the loader's."""
     from trainer.presets import resolve_model_args
 

@@ -68,7 +68,7 @@ def one(phase: str, config: str, sets: list[str]) -> dict:
     model = backend.build_model(settings, dctx)
     stepper = backend.build_stepper(model, None, None, settings, dctx)
     t_built = time.perf_counter()
-    inputs, targets = standby_compile._batch(settings, dctx.device)
+    inputs, targets = standby_compile.random_batch(settings, dctx.device)
     stepper.forward_backward(inputs, targets, True, 1.0)
     if dctx.device.type == "cuda":
         torch.cuda.synchronize()

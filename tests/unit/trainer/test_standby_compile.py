@@ -48,14 +48,14 @@ import torch.distributed as dist
 from trainer.backends import backend_for
 from trainer.distributed import init_distributed
 from trainer.settings import load_settings
-from trainer.standby_compile import _batch
+from trainer.standby_compile import random_batch
 settings = load_settings(os.environ["ORCH_CONFIG"])
 dctx = init_distributed(settings.trainer)
 backend = backend_for("fsdp2")
 backend.setup(settings, dctx)
 model = backend.build_model(settings, dctx)
 stepper = backend.build_stepper(model, None, None, settings, dctx)
-inputs, targets = _batch(settings, dctx.device)
+inputs, targets = random_batch(settings, dctx.device)
 stepper.forward_backward(inputs, targets, True, 1.0)
 blocks = list(model.layers)
 print(json.dumps({"prepared": prepared, "before": before,
