@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import orchestrator.worker as ow
@@ -15,6 +16,17 @@ worker = ow.init()
 rank = int(os.environ["RANK"])
 sock = os.environ["ORCH_AGENT_SOCKET"]
 found: dict[str, object] = {"rank": rank, "env": sorted(os.environ)}
+
+
+def meet(name: str) -> None:
+    """Mark this rank at ``name`` and wait (bounded) for the other rank there: the other
+    rank must be running while this one tries to pass for it, or the agent refuses it
+    for another reason (no such rank here)."""
+    run = Path(os.environ["ORCH_RUN_DIR"])
+    (run / f"{name}-{rank}").touch()
+    deadline = time.monotonic() + 60
+    while not (run / f"{name}-{1 - rank}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def attempt(name: str, call) -> None:  # noqa: ANN001
@@ -30,7 +42,9 @@ manifest = {"format": "orchestrator-checkpoint/2", "step": 7, "files": {}}
 attempt("sign_manifest", lambda: me.signature(manifest, "manifest"))
 attempt("sign_own_memory", lambda: me.signature({"rank": rank, "step": 7}, "memory"))
 attempt("sign_other_memory", lambda: me.signature({"rank": 1 - rank, "step": 7}, "memory"))
+meet("started")
 attempt("as_other_rank", lambda: AgentSigner(sock, 1 - rank).key_id)
+meet("probed")
 attempt("as_rank_9", lambda: AgentSigner(sock, 9).key_id)
 agent = os.getppid()
 for name in ("environ", "mem", "cmdline"):
