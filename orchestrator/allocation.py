@@ -37,7 +37,7 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
         raw = (env.get(name) or "").strip()
         # Slurm writes per-node counts as "2(x3)" when they repeat: the first is ours.
         raw = raw.split("(", 1)[0].split(",", 1)[0]
-        if raw.isdigit():
+        if raw.isascii() and raw.isdigit():  # "²" is a digit to str.isdigit, not to int
             return int(raw)
     return None
 
