@@ -220,6 +220,11 @@ class ParallelismConfig(_Section):
         True, description="With compile and warm standbys (restart.standby): each standby "
         "compiles the step ahead on a two-block copy of the model (a few GB of GPU memory "
         "for a few seconds), so the rank it becomes compiles nothing at its first step.")
+    overlap_abort: bool = Field(
+        True, description="A rank recovering in place (restart.in_job) makes the next "
+        "generation's process groups while its old NCCL communicator's abort finishes in "
+        "the background (NCCL's abort takes about 0.5 s); false: it waits for the abort "
+        "first.")
     zero_stage: int = Field(
         1, ge=0, le=3, description="ZeRO stage: deepspeed 0-3; neuron 0 or 1 (NxD ZeRO-1)."
     )

@@ -4,11 +4,14 @@ When a peer dies (or hangs and is killed), this rank's next collective fails. In
 exiting, the training loop hands the error to :meth:`Rejoin.recover`, which
 
 1. waits (bounded) for the agent's ``recover`` order (``orchestrator.worker.injob``); the
-   order's arrival already aborted this process's process groups (:func:`abort_groups`, from
-   the SDK's order thread), which unblocks a collective waiting on a peer that will never
-   answer (NCCL); on gloo the peer's death fails it at once;
+   order's arrival already started the abort of this process's process groups
+   (``trainer.pgabort``, from the SDK's order thread), which unblocks a collective waiting
+   on a peer that will never answer (NCCL); on gloo the peer's death fails it at once. A
+   step past its blocked host sync stops at its next safe point (:class:`RecoveryOrdered`)
+   instead of queueing on the aborting communicator;
 2. lets the save threads end (their collectives fail with the abort) and forgets their saves;
-3. destroys the old process groups and makes the new generation's, from the order's
+3. leaves the old process groups (to their abort, if it still runs:
+   ``trainer.parallelism.overlap_abort``) and makes the new generation's, from the order's
    environment (a fresh rendezvous store), in the order a starting rank makes them, and
    points the model's FSDP2 state and our checkpoint and memory-tier parts at them;
 4. restores the newest state every rank holds (``trainer.restore``: the same collectives a
@@ -24,14 +27,14 @@ and exits, and the supervisor falls back to a full restart.
 
 from __future__ import annotations
 
-import contextlib
-import threading
+import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.contracts import chaos
+from trainer import pgabort
 
 # An error of a collective whose peer is gone, as gloo and NCCL word it (their errors are
 # RuntimeErrors, or torch's DistError family in newer releases).
@@ -60,71 +63,36 @@ def peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_ERRORS)
 
 
-_ABORT_LOCK = threading.Lock()
-_ABORTED: set[int] = set()  # ids of the process groups this process has aborted
-# Each aborted group's backend and the seconds its abort took, until the groups are left:
-# an NCCL communicator's abort takes about half a second on a Hopper host.
-ABORT_TIMES: list[tuple[str, float]] = []
-
-
-def abort_groups() -> None:
-    """Abort every process group of this process, without a collective: a thread blocked in
-    one of their operations gets an error. Safe from any thread (NVRx's in-process restart
-    aborts from its monitor thread the same way); the order thread and the training thread
-    may both call it, and each group is aborted once (two concurrent aborts of one NCCL
-    communicator are undefined)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    with _ABORT_LOCK:
-        for pg in list(c10d._world.pg_map):
-            if id(pg) in _ABORTED:
-                continue
-            _ABORTED.add(id(pg))
-            t0 = time.perf_counter()
-            with contextlib.suppress(Exception):  # a backend without abort
-                pg.abort()
-            backend = c10d._world.pg_map.get(pg, ("?",))[0]
-            ABORT_TIMES.append((str(backend), round(time.perf_counter() - t0, 4)))
-
-
 def report_recovered(worker: Any, log: Log, step: int, abandoned: int, from_generation: int,
                      tier: str, marks: tuple[float, float, float, float, float],
-                     aborts: dict[str, Any] | None = None) -> None:
+                     aborts: dict[str, Any] | None = None,
+                     at: dict[str, float] | None = None) -> None:
     """The ``recovered`` event and log line of a rank back in place at ``step``. ``marks``:
     the recovery's start, the order's arrival, the abort done, the groups made, the restore
-    done (``time.perf_counter``); ``aborts``: :func:`abort_detail`'s fields."""
+    done (``time.perf_counter``); ``aborts``: :func:`abort_detail`'s fields; ``at``: the
+    wall-clock end of each finer part (``at_<part>`` fields: a bench lays them on the
+    kill's time line)."""
     t0, t_wait, t_abort, t_group, done = marks
     worker.event("recovered", step=step, abandoned_step=abandoned,
                  from_generation=from_generation, tier=tier,
                  wait_s=round(t_wait - t0, 6), abort_s=round(t_abort - t_wait, 6),
                  group_s=round(t_group - t_abort, 6), restore_s=round(done - t_group, 6),
-                 total_s=round(done - t0, 6), **(aborts or {}))
+                 total_s=round(done - t0, 6), **(aborts or {}),
+                 **{f"at_{k}": round(v, 6) for k, v in (at or {}).items()})
     log(f"recovered in place: generation {worker.ctx.generation}, back to step {step} from "
         f"{abandoned} ({tier} tier) in {done - t0:.2f} s")
 
 
-def abort_detail(injob: Any, t0: float) -> dict[str, Any]:
-    """Where a survivor's time went around its recovery's start (``t0``): the order's
-    arrival and each group's abort, whichever thread ran it (taken once the aborts are done,
-    before the groups are left, which forgets them)."""
-    out: dict[str, Any] = {}
-    if injob.delivered_at is not None:
-        out["order_lag_s"] = round(t0 - injob.delivered_at, 6)
-    with _ABORT_LOCK:
-        if ABORT_TIMES:
-            out["group_aborts"] = " ".join(f"{b}:{s:.3f}" for b, s in ABORT_TIMES)[:256]
-    return out
+class RecoveryOrdered(RuntimeError):
+    """Raised in the training thread at a safe point of a step when the in-job recovery's
+    order has come: the process groups are being aborted."""
 
 
-def leave_groups() -> None:
-    """Destroy this process's (aborted) process groups before the next generation's are
-    made; the ids of the aborted ones may be reused by the new ones."""
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    with _ABORT_LOCK:
-        _ABORTED.clear()
-        ABORT_TIMES.clear()
+def interrupt_if_ordered(injob: Any) -> None:
+    """Raise :class:`RecoveryOrdered` when a recover order is pending (a step's hook)."""
+    if injob.pending() is not None:
+        raise RecoveryOrdered("the in-job recovery's order came: the process groups are "
+                              "aborted")
 
 
 @dataclass
@@ -139,9 +107,19 @@ class Rejoin:
     stepper: Any
     wait_s: float
     log: Log
+    # Wall-clock ends of the current recovery's parts (``report_recovered``'s ``at``).
+    _at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    # Whether the current recovery left its old groups while their abort still ran.
+    _overlapped: bool = field(default=False, init=False, repr=False)
 
     def enable(self, worker: Any) -> None:
-        worker.injob.enable(abort_groups)
+        injob = worker.injob
+        injob.enable(functools.partial(pgabort.abort_groups,
+                                       slow_s=worker.ctx.chaos.slow_abort_s))
+        if hasattr(self.stepper, "interrupt"):
+            # A step past its blocked host sync (the abort stopped the collective's
+            # kernels) stops there, before the next collective of the aborting groups.
+            self.stepper.interrupt = functools.partial(interrupt_if_ordered, injob)
 
     def recover(self, p: Any, exc: BaseException) -> bool:
         """Rejoin the next generation after ``exc``; False when ``exc`` is not a peer's
@@ -151,6 +129,8 @@ class Rejoin:
         if not injob.enabled or not (injob.pending() is not None or peer_failure(exc)):
             return False
         t0 = time.perf_counter()
+        at: dict[str, float] = {"caught": time.time()}
+        self._at = at
         abandoned = p.progress.step
         from_generation = worker.ctx.generation
         self.log(f"collective failed at step {abandoned + 1} ({type(exc).__name__}: "
@@ -167,9 +147,11 @@ class Rejoin:
             t_wait = time.perf_counter()
             self.log(f"recover order for generation {order.generation}: aborting the "
                      "process groups, ending the save threads")
-            abort_groups()
-            aborts = abort_detail(injob, t0)
+            pgabort.abort_groups()  # what the order thread has not claimed
+            aborts = pgabort.abort_detail(injob, t0)
+            at.update(pgabort.abort_span(injob))
             self._drain(p)
+            at["drained"] = time.time()
             if p.memory is not None:  # verified while the new groups meet
                 p.memory.digest_ahead()
             t_abort = time.perf_counter()
@@ -184,8 +166,13 @@ class Rejoin:
         except Exception as other:
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RejoinFailed(f"in-place recovery failed: {other}") from other
+        if self._overlapped:  # the old groups' abort, finished meanwhile (or not yet)
+            late = dict(pgabort.LATE)
+            if "abort_end" in late:
+                at["left_abort_end"] = late["abort_end"]
+            aborts["overlapped_aborts"] = str(late.get("group_aborts", "running"))[:256]
         report_recovered(worker, self.log, p.progress.step, abandoned, from_generation, tier,
-                         (t0, t_wait, t_abort, t_group, time.perf_counter()), aborts)
+                         (t0, t_wait, t_abort, t_group, time.perf_counter()), aborts, at)
         return True
 
     def _drain(self, p: Any) -> None:
@@ -205,11 +192,12 @@ class Rejoin:
         the old ones pointed at them."""
         from trainer.distributed import init_distributed, new_memory_group
 
-        leave_groups()
+        self._overlapped = pgabort.leave_groups(self.settings.trainer.parallelism.overlap_abort)
+        self._at["left"] = time.time()
         p.worker.join_generation(order)
         self.log(f"joining generation {order.generation}'s process groups at "
                  f"{order.env.get('MASTER_ADDR')}:{order.env.get('MASTER_PORT')}")
-        fresh = init_distributed(self.settings.trainer)
+        fresh = init_distributed(self.settings.trainer, marks=self._at)
         if (fresh.rank, fresh.world_size) != (p.dctx.rank, p.dctx.world_size):
             raise RejoinFailed(f"the order makes this rank {fresh.rank} of {fresh.world_size}"
                                f", not {p.dctx.rank} of {p.dctx.world_size}")
@@ -227,7 +215,9 @@ class Rejoin:
         if p.memory is not None:
             p.memory.group = new_memory_group(dctx)
             p.memory.generation = p.worker.ctx.generation
+        self._at["groups_ready"] = time.time()
         self.backend.rejoin(self.stepper, dctx)
+        self._at["backend_rejoined"] = time.time()
         self.log("process groups made; restoring the newest state every rank holds")
 
     def _restore(self, p: Any) -> str:
@@ -235,12 +225,14 @@ class Rejoin:
         from trainer import restore
 
         found = restore.choose(p.memory, self.checkpointer, p.dctx, None, self.log)
+        self._at["chose_checkpoint"] = time.time()
         if found.empty:
             raise RejoinFailed("no checkpoint to roll back to (the memory tier and the "
                                "durable tier hold none)")
         self.backend.reset_step_state(self.stepper)
         manifest = restore.load(found, p.memory, self.checkpointer, p.checkpoint_state,
                                 p.dctx, None, p.progress, self.settings.config_hash)
+        self._at["loaded_state"] = time.time()
         if manifest is None:
             raise RejoinFailed("the chosen checkpoint did not load")
         restore.announce(found, manifest, self.checkpointer, p.dctx, p.worker, self.log,

@@ -239,6 +239,13 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
                                                    "restore_s", "total_s", "tier", "step")}
         out["survivors"]["rejoined_s"] = slowest["ts"] - kill
         out["survivors"].update({k: slowest[k] for k in ("order_lag_s", "group_aborts") if k in slowest})
+        # Each finer part's end on the kill's time line (seconds after the kill).
+        out["survivors"]["timeline"] = _timeline(
+            {k.removeprefix("at_"): v for k, v in slowest.items() if k.startswith("at_")}, kill)
+    tier = next((e for e in events if e["kind"] == "restore_tier" and e.get("generation") == gen),
+                None)
+    if tier is not None:
+        out["restore_tier"] = {k: tier[k] for k in ("tier", "load_s", "verify_s") if k in tier}
     starts = [e for e in events if e["kind"] == "startup" and e.get("generation") == gen]
     if starts:
         st = starts[0]
@@ -254,8 +261,27 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
                                      and isinstance(v, int | float)},
             # What its standby did ahead (prepare_s, compile_ahead_s / _graphs / _peak_mib).
             "standby_ahead": {k.removeprefix("standby_"): v for k, v in st.items()
-                              if k.startswith("standby_") and isinstance(v, int | float)}}
+                              if k.startswith("standby_") and isinstance(v, int | float)},
+            "timeline": _timeline({k: v for k, v in st.items()
+                                   if k not in _NOT_MARKS and not k.startswith(_NOT_MARK_PREFIXES)},
+                                  kill)}
+    if first is not None and first.get("step_ts"):
+        out["first_step_at_s"] = first["step_ts"] - kill
     return _rounded(out)
+
+
+# A startup event's fields that are not wall-clock marks.
+_NOT_MARKS = frozenset({"ts", "seq", "rank", "generation", "node_id", "warm"})
+_NOT_MARK_PREFIXES = ("compile_phase_", "standby_")
+
+
+def _timeline(marks: dict[str, Any], kill: float) -> dict[str, float]:
+    """Wall-clock marks as seconds after the kill, in the order they happened (marks before
+    the kill, e.g. a standby's own start, are left out)."""
+    at = {k: v - kill for k, v in marks.items()
+          if isinstance(v, int | float) and not isinstance(v, bool) and v >= kill - 1e-3
+          and v < kill + 3600}
+    return {k: round(v, 3) for k, v in sorted(at.items(), key=lambda kv: kv[1])}
 
 
 def _rounded(d: Any) -> Any:

@@ -510,6 +510,11 @@ class ChaosConfig(Section):
         0.0, ge=0, le=3600,
         description="The final save's commit (after the last step) takes this much longer.",
     )
+    slow_abort_s: float = Field(
+        0.0, ge=0, le=3600, description="A survivor's abort of its process groups in an "
+        "in-job recovery takes this much longer (NCCL's abort takes about 0.5 s; gloo's "
+        "none).",
+    )
     slow_ranks: dict[int, float] = Field(
         default_factory=dict,
         description="rank -> seconds added to each of its steps (a straggler).",

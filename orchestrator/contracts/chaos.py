@@ -64,6 +64,7 @@ class ChaosPlan(_Plan):
     slow_checkpoint_s: _Seconds = 0.0
     slow_final_commit_s: _Seconds = 0.0
     slow_first_step_s: _Seconds = 0.0
+    slow_abort_s: _Seconds = 0.0
     # rank -> seconds added to each of its steps (a throttled GPU, a noisy neighbour).
     slow_ranks: dict[_Rank, _Seconds] = Field(default_factory=dict, max_length=100_000)
     # n -> seconds added to each generation's n-th step on every rank (a recompile,
@@ -125,6 +126,7 @@ class ChaosDriver:
                          slow_checkpoint_s=c.slow_checkpoint_s,
                          slow_final_commit_s=c.slow_final_commit_s,
                          slow_first_step_s=c.slow_first_step_s,
+                         slow_abort_s=c.slow_abort_s,
                          slow_ranks=dict(c.slow_ranks), slow_steps=dict(c.slow_steps))
 
     def mark_fired(self, key: str) -> None:

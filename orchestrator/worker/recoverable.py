@@ -181,7 +181,7 @@ class Recoverable:
 
     @staticmethod
     def _abort() -> None:
-        from trainer.rejoin import abort_groups
+        from trainer.pgabort import abort_groups
 
         abort_groups()
 
@@ -280,7 +280,8 @@ class Recoverable:
         rank restored; the script continues from there. Re-raises ``exc`` otherwise, and
         raises :class:`RecoveryFailed` (the rank exits, the job restarts in full) when the
         recovery cannot be done."""
-        from trainer.rejoin import abort_detail, peer_failure, report_recovered
+        from trainer.pgabort import abort_detail
+        from trainer.rejoin import peer_failure, report_recovered
 
         injob = self.worker.injob
         if self.in_job_off is not None or not injob.enabled or not (
@@ -327,9 +328,9 @@ class Recoverable:
         import torch.distributed as dist
 
         from trainer.distributed import collective_timeout_s
-        from trainer.rejoin import leave_groups
+        from trainer.pgabort import leave_groups
 
-        leave_groups()
+        leave_groups(overlap=False)  # the script's own thread may still use the old groups
         self.worker.join_generation(order)
         ctx = self.worker.ctx
         self.log(f"joining generation {order.generation} at {order.env.get('MASTER_ADDR')}:"

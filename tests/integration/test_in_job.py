@@ -95,6 +95,46 @@ def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: 
     check_final(run, reference)
 
 
+def test_the_next_groups_are_made_while_the_old_ones_still_abort(
+        tmp_path: Path, dataset_dir: Path, reference: dict) -> None:
+    """A slow abort (NCCL's takes about half a second; chaos makes gloo's take 3 s) does not
+    hold the survivor back: it leaves the old groups to their abort, makes the next
+    generation's meanwhile, and the job still ends bit-identical."""
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
+                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_abort_s": 3.0})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    events = journal(run)
+    (failure,) = failures(events)
+    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
+    (recovered,) = [e for e in events if e["kind"] == "recovered"]
+    assert pids(events, 2)[0] == pids(events, 1)[0]
+    # The gloo-only groups were aborted at once; the default group's slow abort was left
+    # running, and its groups were made before it ended.
+    aborted = recovered["group_aborts"].split()
+    assert len(aborted) == 2 and all(a.startswith("gloo:") for a in aborted), aborted
+    # It left the old groups and began making the next ones (its device picked, the
+    # rendezvous next) before the abort ended, 3 s after the order.
+    assert recovered["at_left"] < recovered["at_device_ready"] < recovered["at_order"] + 3.0
+    if "at_left_abort_end" in recovered:
+        assert recovered["at_left_abort_end"] >= recovered["at_order"] + 3.0
+    assert recovered["overlapped_aborts"] == "running" or \
+        recovered["overlapped_aborts"].startswith("gloo:3."), recovered
+    check_final(run, reference)
+
+    # The same fault with overlap_abort off: the survivor waits for the abort.
+    cfg = write_config(tmp_path / "job2.yaml", dataset_dir, restart=IN_JOB, job=WARM,
+                       trainer={"parallelism": {"overlap_abort": False}},
+                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_abort_s": 3.0})
+    result = up(cfg, tmp_path / "run2")
+    assert result.returncode == 0, result.stdout[-4000:]
+    (recovered,) = [e for e in journal(tmp_path / "run2") if e["kind"] == "recovered"]
+    assert "overlapped_aborts" not in recovered
+    assert recovered["at_left"] >= recovered["at_order"] + 3.0
+    check_final(tmp_path / "run2", reference)
+
+
 def test_sigstop_hang_recovered_in_place(tmp_path: Path, dataset_dir: Path,
                                          reference: dict) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,

@@ -11,7 +11,7 @@ unless a ``skip_step`` rule says no); checkpoints are DCP (``trainer.state``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +48,9 @@ class TorchStepper:
         self.cfg = cfg
         self.device = device
         self.after_update = after_update  # FP8 under FSDP2: the weights' scales, once per step
+        # Called at a step's safe points (its start, after its host sync): raises when the
+        # step must stop (an in-job recovery's order came: ``trainer.rejoin``).
+        self.interrupt: Callable[[], None] | None = None
         # Fine-tuning: the frozen base (NF4 under QLoRA) is reloaded at every start and never
         # changes, so norms and digests cover the trained adapters only.
         self._tracked = [(n, p) for n, p in model.named_parameters()
@@ -66,11 +69,15 @@ class TorchStepper:
     def step(self, micro_batches: MicroBatches, scale: float,
              decide: Decide | None) -> StepOutcome:
         accum = len(micro_batches)
+        if self.interrupt is not None:
+            self.interrupt()
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             loss_sum += self.forward_backward(inputs, targets, i == accum - 1, scale / accum)
         grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip))
+        if self.interrupt is not None:  # the host sync may have ended with an abort
+            self.interrupt()
         loss = mean_loss(loss_sum, accum, scale)
         # The verdict comes from globally reduced values, so every rank decides alike.
         skipped = bool(decide is not None and decide(loss, grad_norm))
