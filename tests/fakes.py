@@ -3,7 +3,8 @@
 ``FakeClock`` is the clock the supervisor's parts take (``time``, ``monotonic``, ``sleep``):
 time moves only when a test advances it (or awaits ``sleep``, which advances it at once),
 so deadlines and timeouts are asserted exactly, on loop time in kopf's sense.
-``begin_generation`` gives a test that drives an ``Intake`` the launch's ``Generation``.
+``make_intake`` wires an ``Intake`` as the supervisor does; ``begin_generation`` gives a
+test that drives it the launch's ``Generation``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from orchestrator.config import Config
 from orchestrator.journal.view import JobView
 from orchestrator.journal.store import Journal, read_journal
 from orchestrator.contracts.rundir import RunDir
+from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation.judge import Generation
 from orchestrator.supervisor.generation.parts import GenerationParts
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.metrics import SupervisorMetrics
+from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.recorder import Recorder
+from orchestrator.supervisor.stability import StabilityHook
 
 
 class FakeClock:
@@ -80,9 +84,18 @@ def make_context(root: Path, cfg: Config, clock: Any, log: Any = None,
                       checkpoint_root or str(root / "checkpoints"))
 
 
+def make_intake(ctx: JobContext, nodes: NodeRegistry,
+                stability: StabilityHook | None = None) -> Intake:
+    """An ``Intake`` wired as the supervisor wires it (its own chaos desk), for tests that
+    drive message intake; health reports go nowhere."""
+    return Intake(ctx, nodes, stability or StabilityHook(ctx), lambda *a: None,
+                  chaos_fired=ChaosDesk(ctx, nodes).mark_fired)
+
+
 def begin_generation(intake: Intake, number: int, world_size: int) -> Generation:
     """The ``Generation`` of a launch of ``number``, wired and begun as the supervisor's
     ``GenerationParts`` does it, for tests that drive an ``Intake`` without the loop."""
     parts = GenerationParts(intake.ctx, intake.nodes, intake, intake.stability,
-                            asyncio.Event(), lambda state: None)
+                            asyncio.Event(), lambda state: None,
+                            chaos=ChaosDesk(intake.ctx, intake.nodes))
     return parts.begin(number, world_size)

@@ -32,6 +32,7 @@ from orchestrator.logs import get_logger
 from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.supervisor import recovery
 from orchestrator.supervisor.bookkeeper import BookKeeper
+from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.deadlines import LoopLag
 from orchestrator.supervisor.discovery import ScrapeTarget
@@ -111,9 +112,11 @@ class Supervisor:
             self.nodes.epoch, self.nodes.guard = leadership.term.epoch, guard
         self.stability = StabilityHook(self.ctx)
         self.health = HealthCoordinator(self.ctx, self.nodes, self.stop_requested)
-        self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report)
+        self.chaos = ChaosDesk(self.ctx, self.nodes)
+        self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report,
+                             chaos_fired=self.chaos.mark_fired)
         self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
-                                     self.stop_requested, self.transition)
+                                     self.stop_requested, self.transition, chaos=self.chaos)
         self.profiles = ProfileDesk(self.ctx, self.nodes, self.intake)
         self.selection = NodeSelection(self.ctx, self.intake, self.health, self.launcher,
                                        self.agent_spec, self.stop_requested)

@@ -5,8 +5,9 @@ the node registry and the progress tracker at once; rank exits, starts, stops an
 events go onto a queue that the generation's loop drains into the running launch's
 ``Generation`` (``generation.judge``), which alone decides how that launch ended. Intake
 decides nothing about a generation's outcome; it keeps what outlives one launch (the
-training timeout's calibration, stragglers, fault injection, superseded nodes) and turns a
-rank's worker event into its journal event.
+training timeout's calibration, stragglers, superseded nodes) and turns a rank's worker
+event into its journal event (a rank's fired injection is also told to the chaos desk,
+``supervisor.chaos``, which owns fault injection).
 
 Sized for 2,048 nodes x 8 ranks: the exits of one node that arrive in one batch are one
 observation (one ``ranks_exited`` journal event); a stop confirmation marks its node at
@@ -23,7 +24,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator.contracts import events as ev
-from orchestrator.contracts.chaos import ChaosDriver
 from orchestrator.contracts.protocol import (
     Assignment,
     EventBatch,
@@ -36,7 +36,7 @@ from orchestrator.contracts.protocol import (
     RegisterResponse,
     WorkerEvent,
 )
-from orchestrator.contracts.state import JobState, NodeState
+from orchestrator.contracts.state import NodeState
 from orchestrator.contracts.worker_events import NOTE_NAMES, OTHER_NOTE
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation.hangs import TrainingTimeout
@@ -62,12 +62,14 @@ class Intake:
     """
 
     def __init__(self, ctx: JobContext, nodes: NodeRegistry, stability: StabilityHook,
-                 health_report: Callable[[str, HealthReport, float], None]) -> None:
+                 health_report: Callable[[str, HealthReport, float], None], *,
+                 chaos_fired: Callable[[str], None]) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.nodes = nodes
         self.stability = stability
         self._health_report = health_report
+        self._chaos_fired = chaos_fired
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         # Beats stamped and hangs judged on the service clock (``deadlines.LoopLag``).
         self.progress = ProgressTracker(ctx.rundir.steps, nodes.judge_clock, ctx.record)
@@ -75,8 +77,6 @@ class Intake:
                                       nodes.judge_clock.monotonic)
         self.stragglers = StragglerWatch(ctx)
         self.resumes = ResumeCheck()
-        self.chaos = ChaosDriver(ctx.cfg.chaos, ctx.cfg.cluster.world_size,
-                                 ctx.view.chaos_fired)
         self.generation: int | None = None  # the launch the queue's news is for
         # Where the ranks of a node that registers again mid-generation go (that launch's
         # ``Generation``): they count as started.
@@ -86,7 +86,6 @@ class Intake:
         # was lost and came back with its ranks): told to stop them at the next tick.
         self.superseded: set[str] = set()
         self._config_json: dict[str, Any] | None = None
-        self.running_since: float | None = None
         self.training_timeout = TrainingTimeout(
             ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"),
             ctx.view.calibration.get("intervals") or 0)
@@ -199,7 +198,6 @@ class Intake:
         ``live_ranks`` (its ``Generation.set_started``) takes the ranks a node registering
         again mid-generation reports alive."""
         self.generation, self._live_ranks = generation, live_ranks
-        self.running_since = None
         known = adopting and generation in self.ctx.view.first_steps
         self.progress.start_generation(generation, world_size, first_step_known=known)
         self.resumes.begin(generation)
@@ -241,7 +239,7 @@ class Intake:
             elif msg.name == "chaos":
                 event = ev.Chaos(**{"id": str(data.pop("id", ""))[:256], **data},
                                  generation=msg.generation, node_id=node_id)
-                self.chaos.mark_fired(event.id)
+                self._chaos_fired(event.id)
                 self.ctx.record(event)
                 self.ctx.log.warning("chaos: rank signalled itself", rank=msg.rank,
                                      signal=event.signal, step=event.step)
@@ -286,14 +284,13 @@ class Intake:
                                  reason=reason[:500], rejected_so_far=self.rejected)
 
     async def tick(self, generation: int) -> None:
-        """Periodic work while a generation runs: calibration, interval chaos kills."""
+        """Periodic work while a generation runs: calibration, stragglers, nodes of a
+        superseded generation told to stop."""
         if self.training_timeout.needs_journal():
             self.ctx.record(ev.Calibration(
                 max_interval_s=self.training_timeout.max_interval,
                 training_timeout_s=round(self.training_timeout.value(), 3),
                 intervals=self.training_timeout.intervals))
-        if self.ctx.view.state is JobState.RUNNING and self.running_since is None:
-            self.running_since = self.ctx.clock.monotonic()
         self.stragglers.tick(generation)
         while self.superseded:
             node_id = self.superseded.pop()
@@ -306,17 +303,6 @@ class Intake:
             if node.state is NodeState.REGISTERED:  # back after being lost: a spare now
                 self.nodes.move(node, NodeState.SPARE, node_rank=None,
                                 reason="back after its generation was superseded")
-        for inj in self.chaos.due_interval(self.running_since, self.ctx.clock.monotonic()):
-            node = self.nodes.node_of_rank(inj.rank, self.cfg.cluster.procs_per_node)
-            if node is None:
-                continue
-            self.ctx.record(ev.Chaos(id=str(inj.id), rank=inj.rank, signal=inj.signal,
-                                     step=inj.step, node_id=node.node_id,
-                                     generation=generation))
-            self.ctx.log.warning("chaos: signalling rank", rank=inj.rank, signal=inj.signal,
-                                 at_step=inj.step)
-            await self.nodes.send_signal(node.node_id, inj.rank, inj.signal)
-
 
 
 def _first_problem(exc: Exception) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from orchestrator.contracts import events as ev
 from orchestrator.contracts.rundir import is_remote, stack_file_name
 from orchestrator.contracts.state import Cause, JobState, NodeState
+from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation.hangs import collective_timeout_s
 from orchestrator.supervisor.generation.judge import Generation, Observation
@@ -55,17 +56,19 @@ class GenerationParts:
     """Launch, observe and stop one generation of the job's ranks.
 
     ``stop_requested`` ends an observation early; ``transition`` is the supervisor's one way
-    to move the job (called only for LAUNCHING -> RUNNING, which happens mid-observation).
+    to move the job (called only for LAUNCHING -> RUNNING, which happens mid-observation);
+    ``chaos`` gives each launch its fault-injection plan and sends interval kills.
     """
 
     def __init__(self, ctx: JobContext, nodes: NodeRegistry, intake: Intake,
                  stability: StabilityHook, stop_requested: asyncio.Event,
-                 transition: Callable[[JobState], None]) -> None:
+                 transition: Callable[[JobState], None], *, chaos: ChaosDesk) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.nodes = nodes
         self.intake = intake
         self.stability = stability
+        self.chaos = chaos
         self.stop_requested = stop_requested
         self._transition = transition
         self.current: Generation | None = None  # the launch observed (or adopted) last
@@ -77,6 +80,7 @@ class GenerationParts:
         self.current = self._generation(generation, world_size)
         self.intake.begin_generation(generation, world_size, adopting=adopting,
                                      live_ranks=self.current.set_started)
+        self.chaos.begin_generation()
         return self.current
 
     def judging(self, generation: int) -> Generation:
@@ -205,7 +209,7 @@ class GenerationParts:
                 collective_timeout_s=collective_timeout_s(
                     self.cfg.timeouts, self.intake.training_timeout,
                     own_script=self.cfg.job.entrypoint is not None),
-                chaos=self.intake.chaos.plan(),
+                chaos=self.chaos.plan(),
                 in_job_wait_s=self.cfg.restart.in_job_wait_s if self.cfg.restart.in_job
                 else None,
                 run_id=self.ctx.view.run_id, lineage=self.ctx.view.lineage(generation),
@@ -241,6 +245,8 @@ class GenerationParts:
                                {"message": "ranks did not start within "
                                            f"{self.cfg.timeouts.launch_s:.0f} s"})
             await intake.tick(generation)
+            # Last, as it always ran: an interval kill goes out after this turn's other work.
+            await self.chaos.tick(generation)
 
     async def _next_batch(self) -> list[Observation]:
         """What is queued (waiting up to one tick for the first): judged as one batch, so

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeLog, begin_generation, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intake
 
 from orchestrator.config import Config
 from orchestrator.contracts.protocol import (
@@ -24,11 +24,10 @@ from orchestrator.contracts.protocol import (
 )
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.journal.store import read_events
+from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.generation.judge import Generation, Observation
 from orchestrator.supervisor.generation.parts import GenerationParts
-from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
-from orchestrator.supervisor.stability import StabilityHook
 
 PPN = 2
 
@@ -43,7 +42,7 @@ class Launch:
         self.clock = FakeClock()
         self.ctx = make_context(root, self.cfg, self.clock, FakeLog())
         self.nodes = NodeRegistry(self.clock, self.ctx.record)
-        self.intake = Intake(self.ctx, self.nodes, StabilityHook(self.ctx), lambda *a: None)
+        self.intake = make_intake(self.ctx, self.nodes)
         for i in range(2):
             node, _ = self.nodes.register(RegisterRequest(
                 node_id=f"n{i}", host="h", addr="127.0.0.1", procs=PPN, agent_pid=100 + i,
@@ -122,7 +121,8 @@ def test_a_supervisor_adopting_a_launch_counts_the_ranks_started_before_it(
     launch.ctx.recorder.view.launches[-1].update(
         world_size=4, assignments={f"n{i}": {"generation": 2} for i in range(2)})
     parts = GenerationParts(launch.ctx, launch.nodes, launch.intake, launch.intake.stability,
-                            asyncio.Event(), lambda state: None)
+                            asyncio.Event(), lambda state: None,
+                            chaos=ChaosDesk(launch.ctx, launch.nodes))
     assert asyncio.run(parts.adopt(2)) is None
     adopted = parts.judging(2)
     assert adopted.started == {"n0": [0, 1], "n1": [2, 3]}

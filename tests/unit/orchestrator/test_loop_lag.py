@@ -9,7 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from fakes import FakeClock, FakeLog, begin_generation, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intake
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +20,8 @@ from orchestrator.contracts.protocol import RankInfo, RegisterRequest
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.deadlines import LoopLag, ServiceClock
 from orchestrator.supervisor.generation.hangs import TrainingTimeout, find_hangs
-from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.generation.progress import ProgressTracker
-from orchestrator.supervisor.stability import StabilityHook
 
 LIMIT = 10.0
 CASES = {"script": 0}
@@ -165,7 +163,7 @@ def test_ranks_of_a_silent_node_are_left_to_the_node_loss_check(tmp_path: Path) 
     ctx = make_context(tmp_path, cfg, clock, FakeLog())
     lag = LoopLag(clock)
     nodes = NodeRegistry(clock, ctx.record, lag=lag)
-    intake = Intake(ctx, nodes, StabilityHook(ctx), lambda *a: None)
+    intake = make_intake(ctx, nodes)
     for i, n in enumerate(("n0", "n1")):
         _register(nodes, n)
         nodes.move(nodes.nodes[n], NodeState.ACTIVE, node_rank=i)
@@ -210,7 +208,7 @@ def test_no_peer_is_named_while_the_stopped_ranks_node_is_late_to_beat(tmp_path:
     clock = FakeClock()
     ctx = make_context(tmp_path, cfg, clock, FakeLog())
     nodes = NodeRegistry(clock, ctx.record, lag=LoopLag(clock))
-    intake = Intake(ctx, nodes, StabilityHook(ctx), lambda *a: None)
+    intake = make_intake(ctx, nodes)
     for i, n in enumerate(("n0", "n1")):
         _register(nodes, n)
         nodes.move(nodes.nodes[n], NodeState.ACTIVE, node_rank=i)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeLog, begin_generation, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intake
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -25,10 +25,8 @@ from orchestrator.contracts.protocol import (
 )
 from orchestrator.contracts.state import JobState, NodeState
 from orchestrator.journal.status import build_status
-from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.profiles import ProfileDesk, ProfileRefused, choose_start
-from orchestrator.supervisor.stability import StabilityHook
 
 
 class Desk:
@@ -39,7 +37,7 @@ class Desk:
         self.clock = FakeClock()
         self.ctx = make_context(root, self.cfg, self.clock, FakeLog())
         self.nodes = NodeRegistry(self.clock, self.ctx.record)
-        self.intake = Intake(self.ctx, self.nodes, StabilityHook(self.ctx), lambda *a: None)
+        self.intake = make_intake(self.ctx, self.nodes)
         self.desk = ProfileDesk(self.ctx, self.nodes, self.intake)
         for i in range(nodes):
             node, _ = self.nodes.register(RegisterRequest(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from fakes import FakeClock, FakeLog, begin_generation, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intake
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +23,6 @@ from orchestrator.supervisor.generation.hangs import TrainingTimeout, any_overdu
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.generation.progress import ProgressTracker
-from orchestrator.supervisor.stability import StabilityHook
 
 CASES = {"oldest": 0, "hangs": 0}
 
@@ -94,7 +93,7 @@ def _intake(root: Path, nodes: int = 2, ppn: int = 8) -> tuple[Intake, NodeRegis
                                  "cluster": {"nodes": nodes, "procs_per_node": ppn}})
     ctx = make_context(root, cfg, FakeClock(), FakeLog())
     registry = NodeRegistry(ctx.clock, ctx.record)
-    return Intake(ctx, registry, StabilityHook(ctx), lambda *a: None), registry, ctx
+    return make_intake(ctx, registry), registry, ctx
 
 
 def _request(node: str, pid: int = 7) -> RegisterRequest:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeLog, begin_generation, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intake
 from prometheus_client import CollectorRegistry
 
 from orchestrator.config import Config
@@ -19,7 +18,6 @@ from orchestrator.journal.view import JobView
 from orchestrator.contracts.rundir import RunDir
 from orchestrator.contracts.state import Cause
 from orchestrator.journal.status import build_status
-from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import CACHE_NAME, StabilityHook
 from trainer.checkpoint import layout
@@ -112,7 +110,7 @@ def test_a_rollback_rule_is_journaled_counted_logged_and_pending(sup: FakeSuperv
 
 
 def test_judge_turns_a_pending_rollback_into_a_divergence_outcome(sup: FakeSupervisor) -> None:
-    intake = Intake(sup.ctx, NodeRegistry(sup.clock), sup.stability, lambda *a: None)
+    intake = make_intake(sup.ctx, NodeRegistry(sup.clock), sup.stability)
     gen = begin_generation(intake, 1, 1)
     assert gen.judge([]) is None
     sup.beat(1, records(1, 24) + records(25, 25, {25: 900.0}))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from fakes import FakeClock, FakeLog, begin_generation, make_context
+from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intake
 
 from orchestrator.contracts import env as ec
 from orchestrator.contracts import events as ev
@@ -17,8 +17,8 @@ from orchestrator.journal.view import JobView
 from orchestrator.journal.store import read_journal
 from orchestrator.contracts.protocol import Heartbeat, RegisterRequest
 from orchestrator.contracts.state import NodeState
+from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.generation.parts import GenerationParts
-from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook
 
@@ -27,7 +27,7 @@ def _setup(tmp_path: Path) -> tuple:
     cfg = Config.model_validate({"job": {"name": "t"}, "cluster": {"nodes": 2, "spares": 1}})
     ctx = make_context(tmp_path, cfg, FakeClock(), FakeLog())
     nodes = NodeRegistry(ctx.clock, ctx.record)
-    intake = Intake(ctx, nodes, StabilityHook(ctx), lambda *a: None)
+    intake = make_intake(ctx, nodes)
     for i in range(3):
         nodes.register(RegisterRequest(node_id=f"n{i}", host="h", addr=f"10.0.0.{i}",
                                        procs=1, agent_pid=100 + i, free_port=20000 + i))
@@ -79,7 +79,7 @@ def test_the_generation_env_carries_the_runs_lineage(tmp_path: Path) -> None:
     ctx.record(ev.CheckpointCommitted(step=30, tier="local", path="/c/step-00000030",
                                       generation=1, rank=0))
     parts = GenerationParts(ctx, nodes, intake, StabilityHook(ctx), asyncio.Event(),
-                            lambda s: None)
+                            lambda s: None, chaos=ChaosDesk(ctx, nodes))
     env = ec.GenerationEnv.from_env(parts.generation_env(2))
     assert env.generation == 2 and env.lineage == [(1, -1), (2, 30)]
     assert env.run_id == ctx.view.run_id and env.run_id.startswith("run-")

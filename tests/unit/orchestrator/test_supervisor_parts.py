@@ -17,6 +17,7 @@ from orchestrator.journal.store import read_events
 from orchestrator.contracts.protocol import RankExit, RanksStarted, RanksStopped, RankInfo, \
     RegisterRequest, WorkerEvent
 from orchestrator.contracts.state import Cause, JobState, NodeState
+from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.generation.parts import TICK_S, GenerationParts
 from orchestrator.supervisor.generation.judge import Observation
 from orchestrator.supervisor.intake import Intake
@@ -27,20 +28,23 @@ from orchestrator.supervisor.stability import StabilityHook
 class Parts:
     """A supervisor's collaborators around a real journal, on a fake clock."""
 
-    def __init__(self, root: Path, nodes: int = 2, ppn: int = 1) -> None:
+    def __init__(self, root: Path, nodes: int = 2, ppn: int = 1,
+                 chaos: dict[str, Any] | None = None) -> None:
         self.cfg = Config.model_validate({
             "job": {"name": "t"}, "cluster": {"nodes": nodes, "procs_per_node": ppn},
-            "timeouts": {"node_lost_s": 10.0, "stop_grace_s": 3.0}})
+            "timeouts": {"node_lost_s": 10.0, "stop_grace_s": 3.0}, "chaos": chaos or {}})
         self.clock = FakeClock()
         self.log = FakeLog()
         self.ctx = make_context(root, self.cfg, self.clock, self.log)
         self.nodes = NodeRegistry(self.clock, self.ctx.record)
         self.stability = StabilityHook(self.ctx)
-        self.intake = Intake(self.ctx, self.nodes, self.stability, lambda *a: None)
+        self.chaos = ChaosDesk(self.ctx, self.nodes)
+        self.intake = Intake(self.ctx, self.nodes, self.stability, lambda *a: None,
+                             chaos_fired=self.chaos.mark_fired)
         self.stop = asyncio.Event()
         self.moves: list[JobState] = []
         self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
-                                     self.stop, self.moves.append)
+                                     self.stop, self.moves.append, chaos=self.chaos)
         for i in range(nodes):
             node, _ = self.nodes.register(RegisterRequest(
                 node_id=f"n{i}", host="h", addr="127.0.0.1", procs=ppn, agent_pid=100 + i,
@@ -278,3 +282,26 @@ def test_a_stop_confirmed_on_arrival_still_journals_every_nodes_exits(tmp_path: 
     assert len(p.events("ranks_stopped")) == n
     assert len(p.events("rank_exited")) + sum(
         len(e["exits"]) for e in p.events("ranks_exited")) == n
+
+
+def test_interval_kills_count_from_running_and_are_journaled_before_they_are_sent(
+        tmp_path: Path) -> None:
+    """The chaos desk's interval kills: none before the launch is seen RUNNING, the first
+    one interval after that, journaled naming the rank's node, then ordered to its agent."""
+    p = Parts(tmp_path, nodes=2, ppn=2, chaos={"kill_interval_s": 10.0})
+    p.parts.begin(1, 4)
+    p.ctx.recorder.view.state = JobState.LAUNCHING
+    asyncio.run(p.chaos.tick(1))
+    p.clock.t += 30.0  # launching time does not count
+    p.ctx.recorder.view.state = JobState.RUNNING
+    asyncio.run(p.chaos.tick(1))
+    p.clock.t += 9.9
+    asyncio.run(p.chaos.tick(1))
+    assert p.events("chaos") == []
+    p.clock.t += 0.2
+    asyncio.run(p.chaos.tick(1))
+    [kill] = p.events("chaos")
+    assert kill["id"] == "interval-1" and kill["generation"] == 1
+    assert kill["node_id"] == f"n{kill['rank'] // 2}"
+    orders = p.nodes.nodes[kill["node_id"]].assignment.signals
+    assert [(o.rank, o.signal) for o in orders] == [(kill["rank"], "SIGKILL")]
