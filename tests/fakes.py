@@ -28,6 +28,7 @@ from orchestrator.supervisor.metrics import SupervisorMetrics
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.recorder import Recorder
 from orchestrator.supervisor.stability import StabilityHook
+from orchestrator.supervisor.superseded import SupersededNodes
 
 
 class FakeClock:
@@ -86,9 +87,10 @@ def make_context(root: Path, cfg: Config, clock: Any, log: Any = None,
 
 def make_intake(ctx: JobContext, nodes: NodeRegistry,
                 stability: StabilityHook | None = None) -> Intake:
-    """An ``Intake`` wired as the supervisor wires it (its own chaos desk), for tests that
-    drive message intake; health reports go nowhere."""
+    """An ``Intake`` wired as the supervisor wires it (its own chaos desk and superseded
+    nodes), for tests that drive message intake; health reports go nowhere."""
     return Intake(ctx, nodes, stability or StabilityHook(ctx), lambda *a: None,
+                  note_superseded=SupersededNodes(ctx, nodes).note,
                   chaos_fired=ChaosDesk(ctx, nodes).mark_fired)
 
 
@@ -97,5 +99,6 @@ def begin_generation(intake: Intake, number: int, world_size: int) -> Generation
     ``GenerationParts`` does it, for tests that drive an ``Intake`` without the loop."""
     parts = GenerationParts(intake.ctx, intake.nodes, intake, intake.stability,
                             asyncio.Event(), lambda state: None,
-                            chaos=ChaosDesk(intake.ctx, intake.nodes))
+                            chaos=ChaosDesk(intake.ctx, intake.nodes),
+                            superseded=SupersededNodes(intake.ctx, intake.nodes))
     return parts.begin(number, world_size)

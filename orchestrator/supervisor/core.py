@@ -49,6 +49,7 @@ from orchestrator.supervisor.profiles import ProfileDesk
 from orchestrator.supervisor.recorder import Recorder
 from orchestrator.supervisor.selection import NodeSelection
 from orchestrator.supervisor.stability import StabilityHook
+from orchestrator.supervisor.superseded import SupersededNodes
 
 if TYPE_CHECKING:
     from orchestrator.supervisor.gateway.server import ApiWiring
@@ -113,10 +114,13 @@ class Supervisor:
         self.stability = StabilityHook(self.ctx)
         self.health = HealthCoordinator(self.ctx, self.nodes, self.stop_requested)
         self.chaos = ChaosDesk(self.ctx, self.nodes)
+        self.superseded = SupersededNodes(self.ctx, self.nodes)
         self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report,
+                             note_superseded=self.superseded.note,
                              chaos_fired=self.chaos.mark_fired)
         self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
-                                     self.stop_requested, self.transition, chaos=self.chaos)
+                                     self.stop_requested, self.transition, chaos=self.chaos,
+                                     superseded=self.superseded)
         self.profiles = ProfileDesk(self.ctx, self.nodes, self.intake)
         self.selection = NodeSelection(self.ctx, self.intake, self.health, self.launcher,
                                        self.agent_spec, self.stop_requested)

@@ -5,9 +5,10 @@ the node registry and the progress tracker at once; rank exits, starts, stops an
 events go onto a queue that the generation's loop drains into the running launch's
 ``Generation`` (``generation.judge``), which alone decides how that launch ended. Intake
 decides nothing about a generation's outcome; it keeps what outlives one launch (the
-training timeout's calibration, stragglers, superseded nodes) and turns a rank's worker
-event into its journal event (a rank's fired injection is also told to the chaos desk,
-``supervisor.chaos``, which owns fault injection).
+training timeout's calibration, stragglers) and turns a rank's worker event into its
+journal event. What a message says beyond that goes to its owner as a callable: a node
+running a superseded generation to ``supervisor.superseded``, a rank's fired injection to
+the chaos desk (``supervisor.chaos``).
 
 Sized for 2,048 nodes x 8 ranks: the exits of one node that arrive in one batch are one
 observation (one ``ranks_exited`` journal event); a stop confirmation marks its node at
@@ -58,17 +59,22 @@ class Intake:
     """Takes what agents say (through the API server) and queues what the running
     generation's ``Generation`` judges.
 
-    ``health_report`` receives health-round reports (the health coordinator waits on them).
+    ``health_report`` receives health-round reports (the health coordinator waits on them);
+    ``note_superseded`` each node and the generation its registration or beat says it runs
+    (``superseded.SupersededNodes.note``); ``chaos_fired`` the id of an injection a rank
+    fired.
     """
 
     def __init__(self, ctx: JobContext, nodes: NodeRegistry, stability: StabilityHook,
                  health_report: Callable[[str, HealthReport, float], None], *,
+                 note_superseded: Callable[[NodeRecord, int | None], None],
                  chaos_fired: Callable[[str], None]) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.nodes = nodes
         self.stability = stability
         self._health_report = health_report
+        self._note_superseded = note_superseded
         self._chaos_fired = chaos_fired
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         # Beats stamped and hangs judged on the service clock (``deadlines.LoopLag``).
@@ -82,9 +88,6 @@ class Intake:
         # ``Generation``): they count as started.
         self._live_ranks: Callable[[str, list[int]], None] | None = None
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
-        # Nodes that said they run a generation older than the newest launched (a node that
-        # was lost and came back with its ranks): told to stop them at the next tick.
-        self.superseded: set[str] = set()
         self._config_json: dict[str, Any] | None = None
         self.training_timeout = TrainingTimeout(
             ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"),
@@ -127,19 +130,6 @@ class Intake:
                                 config=self._config_json,
                                 heartbeat_interval_s=self.cfg.timeouts.heartbeat_interval_s,
                                 epoch=self.nodes.epoch)
-
-    def _note_superseded(self, node: NodeRecord, generation: int | None) -> None:
-        """A node whose ranks run a generation older than the newest launched was lost
-        and is back: it never rejoins that generation (its peers have moved on)."""
-        if generation is not None and generation < self.ctx.view.generation \
-                and self._told_to_run_old(node):
-            self.superseded.add(node.node_id)
-
-    def _told_to_run_old(self, node: NodeRecord) -> bool:
-        """Its assignment still runs (or stops) an old generation: not yet told otherwise
-        (an active node told to run the newest one is on its way there)."""
-        a = node.assignment
-        return a.action in ("run", "stop") and a.generation != self.ctx.view.generation
 
     def on_heartbeat(self, hb: Heartbeat) -> dict[str, Any]:
         node = self.nodes.heartbeat(hb.node_id, hb.generation, hb.free_port, hb.ranks)
@@ -284,25 +274,13 @@ class Intake:
                                  reason=reason[:500], rejected_so_far=self.rejected)
 
     async def tick(self, generation: int) -> None:
-        """Periodic work while a generation runs: calibration, stragglers, nodes of a
-        superseded generation told to stop."""
+        """Periodic work while a generation runs: calibration, stragglers."""
         if self.training_timeout.needs_journal():
             self.ctx.record(ev.Calibration(
                 max_interval_s=self.training_timeout.max_interval,
                 training_timeout_s=round(self.training_timeout.value(), 3),
                 intervals=self.training_timeout.intervals))
         self.stragglers.tick(generation)
-        while self.superseded:
-            node_id = self.superseded.pop()
-            node = self.nodes.nodes.get(node_id)
-            if node is None or not self._told_to_run_old(node):
-                continue
-            self.ctx.log.warning("node runs a superseded generation: told to stop its ranks",
-                                 node=node_id, runs=node.generation, current=generation)
-            await self.nodes.assign(node_id, action="idle", generation=None)
-            if node.state is NodeState.REGISTERED:  # back after being lost: a spare now
-                self.nodes.move(node, NodeState.SPARE, node_rank=None,
-                                reason="back after its generation was superseded")
 
 
 def _first_problem(exc: Exception) -> str:

@@ -31,6 +31,7 @@ from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.stability import StabilityHook
+from orchestrator.supervisor.superseded import SupersededNodes
 
 # The signal that asks a rank of the built-in trainer for a checkpoint at its next step
 # boundary (orchestrator.worker installs the handler).
@@ -57,18 +58,21 @@ class GenerationParts:
 
     ``stop_requested`` ends an observation early; ``transition`` is the supervisor's one way
     to move the job (called only for LAUNCHING -> RUNNING, which happens mid-observation);
-    ``chaos`` gives each launch its fault-injection plan and sends interval kills.
+    ``chaos`` gives each launch its fault-injection plan and sends interval kills;
+    ``superseded`` tells nodes back with an old generation's ranks to stop them.
     """
 
     def __init__(self, ctx: JobContext, nodes: NodeRegistry, intake: Intake,
                  stability: StabilityHook, stop_requested: asyncio.Event,
-                 transition: Callable[[JobState], None], *, chaos: ChaosDesk) -> None:
+                 transition: Callable[[JobState], None], *, chaos: ChaosDesk,
+                 superseded: SupersededNodes) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.nodes = nodes
         self.intake = intake
         self.stability = stability
         self.chaos = chaos
+        self.superseded = superseded
         self.stop_requested = stop_requested
         self._transition = transition
         self.current: Generation | None = None  # the launch observed (or adopted) last
@@ -244,8 +248,10 @@ class GenerationParts:
                 return Outcome(Cause.WORKER_EXIT if not adopting else Cause.NODE_LOST,
                                {"message": "ranks did not start within "
                                            f"{self.cfg.timeouts.launch_s:.0f} s"})
+            # A turn's periodic work, in the order it always ran (the journal of a turn
+            # keeps its order): calibration and stragglers, superseded nodes, then kills.
             await intake.tick(generation)
-            # Last, as it always ran: an interval kill goes out after this turn's other work.
+            await self.superseded.stop(generation)
             await self.chaos.tick(generation)
 
     async def _next_batch(self) -> list[Observation]:

@@ -28,6 +28,7 @@ from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.generation.judge import Generation, Observation
 from orchestrator.supervisor.generation.parts import GenerationParts
 from orchestrator.supervisor.nodes import NodeRegistry
+from orchestrator.supervisor.superseded import SupersededNodes
 
 PPN = 2
 
@@ -122,7 +123,8 @@ def test_a_supervisor_adopting_a_launch_counts_the_ranks_started_before_it(
         world_size=4, assignments={f"n{i}": {"generation": 2} for i in range(2)})
     parts = GenerationParts(launch.ctx, launch.nodes, launch.intake, launch.intake.stability,
                             asyncio.Event(), lambda state: None,
-                            chaos=ChaosDesk(launch.ctx, launch.nodes))
+                            chaos=ChaosDesk(launch.ctx, launch.nodes),
+                            superseded=SupersededNodes(launch.ctx, launch.nodes))
     assert asyncio.run(parts.adopt(2)) is None
     adopted = parts.judging(2)
     assert adopted.started == {"n0": [0, 1], "n1": [2, 3]}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intake
+from fakes import FakeClock, FakeLog, begin_generation, make_context
 
 from orchestrator.contracts import env as ec
 from orchestrator.contracts import events as ev
@@ -19,19 +19,24 @@ from orchestrator.contracts.protocol import Heartbeat, RegisterRequest
 from orchestrator.contracts.state import NodeState
 from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.generation.parts import GenerationParts
+from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook
+from orchestrator.supervisor.superseded import SupersededNodes
 
 
 def _setup(tmp_path: Path) -> tuple:
     cfg = Config.model_validate({"job": {"name": "t"}, "cluster": {"nodes": 2, "spares": 1}})
     ctx = make_context(tmp_path, cfg, FakeClock(), FakeLog())
     nodes = NodeRegistry(ctx.clock, ctx.record)
-    intake = make_intake(ctx, nodes)
+    superseded = SupersededNodes(ctx, nodes)
+    intake = Intake(ctx, nodes, StabilityHook(ctx), lambda *a: None,
+                    note_superseded=superseded.note,
+                    chaos_fired=ChaosDesk(ctx, nodes).mark_fired)
     for i in range(3):
         nodes.register(RegisterRequest(node_id=f"n{i}", host="h", addr=f"10.0.0.{i}",
                                        procs=1, agent_pid=100 + i, free_port=20000 + i))
-    return ctx, nodes, intake
+    return ctx, nodes, intake, superseded
 
 
 def _launch(ctx, nodes: NodeRegistry, generation: int, members: dict[str, int],
@@ -45,7 +50,7 @@ def _launch(ctx, nodes: NodeRegistry, generation: int, members: dict[str, int],
 
 def test_a_node_back_with_a_superseded_generation_stops_it_and_is_a_spare(
         tmp_path: Path) -> None:
-    ctx, nodes, intake = _setup(tmp_path)
+    ctx, nodes, intake, superseded = _setup(tmp_path)
     n0, n1, n2 = (nodes.nodes[f"n{i}"] for i in range(3))
     for node, rank in ((n0, 0), (n1, 1)):
         nodes.move(node, NodeState.ACTIVE, node_rank=rank)
@@ -60,26 +65,26 @@ def test_a_node_back_with_a_superseded_generation_stops_it_and_is_a_spare(
     # n1 is back, its ranks still in generation 1.
     intake.on_register(RegisterRequest(node_id="n1", host="h", addr="10.0.0.1", procs=1,
                                        agent_pid=101, generation=1, assignment_version=1))
-    assert n1.state is NodeState.REGISTERED and intake.superseded == {"n1"}
+    assert n1.state is NodeState.REGISTERED and superseded.pending == {"n1"}
     before = n2.assignment.version
-    asyncio.run(intake.tick(2))
+    asyncio.run(superseded.stop(2))
     assert n1.assignment.action == "idle" and n1.assignment.generation is None
     assert n1.state is NodeState.SPARE
     assert n2.assignment.version == before and n2.assignment.action == "run"
     # Its next beats (ranks stopped, generation 1 still its last) change nothing more.
     version = n1.assignment.version
     intake.on_heartbeat(Heartbeat(node_id="n1", generation=1))
-    asyncio.run(intake.tick(2))
-    assert n1.assignment.version == version and intake.superseded == set()
+    asyncio.run(superseded.stop(2))
+    assert n1.assignment.version == version and superseded.pending == set()
 
 
 def test_the_generation_env_carries_the_runs_lineage(tmp_path: Path) -> None:
-    ctx, nodes, intake = _setup(tmp_path)
+    ctx, nodes, intake, superseded = _setup(tmp_path)
     _launch(ctx, nodes, 1, {"n0": 0, "n1": 1}, None)
     ctx.record(ev.CheckpointCommitted(step=30, tier="local", path="/c/step-00000030",
                                       generation=1, rank=0))
     parts = GenerationParts(ctx, nodes, intake, StabilityHook(ctx), asyncio.Event(),
-                            lambda s: None, chaos=ChaosDesk(ctx, nodes))
+                            lambda s: None, chaos=ChaosDesk(ctx, nodes), superseded=superseded)
     env = ec.GenerationEnv.from_env(parts.generation_env(2))
     assert env.generation == 2 and env.lineage == [(1, -1), (2, 30)]
     assert env.run_id == ctx.view.run_id and env.run_id.startswith("run-")

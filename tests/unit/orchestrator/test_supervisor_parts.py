@@ -23,6 +23,7 @@ from orchestrator.supervisor.generation.judge import Observation
 from orchestrator.supervisor.intake import Intake
 from orchestrator.supervisor.nodes import NODE_MOVES, IllegalNodeMove, NodeRegistry
 from orchestrator.supervisor.stability import StabilityHook
+from orchestrator.supervisor.superseded import SupersededNodes
 
 
 class Parts:
@@ -39,12 +40,15 @@ class Parts:
         self.nodes = NodeRegistry(self.clock, self.ctx.record)
         self.stability = StabilityHook(self.ctx)
         self.chaos = ChaosDesk(self.ctx, self.nodes)
+        self.superseded = SupersededNodes(self.ctx, self.nodes)
         self.intake = Intake(self.ctx, self.nodes, self.stability, lambda *a: None,
+                             note_superseded=self.superseded.note,
                              chaos_fired=self.chaos.mark_fired)
         self.stop = asyncio.Event()
         self.moves: list[JobState] = []
         self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
-                                     self.stop, self.moves.append, chaos=self.chaos)
+                                     self.stop, self.moves.append, chaos=self.chaos,
+                                     superseded=self.superseded)
         for i in range(nodes):
             node, _ = self.nodes.register(RegisterRequest(
                 node_id=f"n{i}", host="h", addr="127.0.0.1", procs=ppn, agent_pid=100 + i,
