@@ -4,9 +4,9 @@ The API server hands every agent message to ``Intake``: registrations and heartb
 the node registry and the progress tracker at once; rank exits, starts, stops and worker
 events go onto a queue that the generation's loop drains into the running launch's
 ``Generation`` (``generation.judge``), which alone decides how that launch ended. Intake
-decides nothing about a generation's outcome; it keeps what outlives one launch (the
-training timeout's calibration, stragglers) and turns a rank's worker event into its
-journal event. What a message says beyond that goes to its owner as a callable: a node
+decides nothing about a generation's outcome; it keeps what the messages feed and what
+outlives one launch (rank progress, the ranks' step times the straggler watch compares, the
+resume check) and turns a rank's worker event into its journal event. What a message says beyond that goes to its owner as a callable: a node
 running a superseded generation to ``supervisor.superseded``, a rank's fired injection to
 the chaos desk (``supervisor.chaos``).
 
@@ -40,7 +40,6 @@ from orchestrator.contracts.protocol import (
 from orchestrator.contracts.state import NodeState
 from orchestrator.contracts.worker_events import NOTE_NAMES, OTHER_NOTE
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.generation.hangs import TrainingTimeout
 from orchestrator.supervisor.generation.judge import Observation
 from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 from orchestrator.supervisor.placement import Placement
@@ -89,9 +88,6 @@ class Intake:
         self._live_ranks: Callable[[str, list[int]], None] | None = None
         self.rejected = 0  # messages a node sent that were not its to send, or did not parse
         self._config_json: dict[str, Any] | None = None
-        self.training_timeout = TrainingTimeout(
-            ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"),
-            ctx.view.calibration.get("intervals") or 0)
 
     # -- messages from agents (called by the API server) ------------------------------------
     def on_register(self, req: RegisterRequest) -> RegisterResponse:
@@ -272,15 +268,6 @@ class Intake:
                                                count=self.rejected))
             self.ctx.log.warning("message rejected", node=node_id, route=route,
                                  reason=reason[:500], rejected_so_far=self.rejected)
-
-    async def tick(self, generation: int) -> None:
-        """Periodic work while a generation runs: calibration, stragglers."""
-        if self.training_timeout.needs_journal():
-            self.ctx.record(ev.Calibration(
-                max_interval_s=self.training_timeout.max_interval,
-                training_timeout_s=round(self.training_timeout.value(), 3),
-                intervals=self.training_timeout.intervals))
-        self.stragglers.tick(generation)
 
 
 def _first_problem(exc: Exception) -> str:

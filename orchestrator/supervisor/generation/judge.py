@@ -11,7 +11,9 @@ the oldest node and rank only (``deadlines``).
 A ``Generation`` lives for one launch: a new launch (or an adopted one, after a supervisor
 restart) gets a new one, so nothing of a previous launch's ranks is carried into the next.
 What outlives a launch (the node registry, progress tracking, the training timeout's
-calibration, the stability hook) is handed in as the narrow objects and callables it needs.
+calibration, the stability hook, the straggler watch) is handed in as the narrow objects and
+callables it needs. Between batches the loop calls ``tick``: the launch's periodic judgement
+(the calibration journaled when it moved, stragglers named or cleared).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class Generation:
 
     ``progress`` and ``training_timeout`` judge hangs; ``divergence`` is the stability hook's
     pending rollback for a generation; ``mark_lost`` marks silent nodes lost and returns
-    them; ``on_worker`` journals a rank's worker event (a node id and the message).
+    them; ``on_worker`` journals a rank's worker event (a node id and the message);
+    ``stragglers`` judges the stragglers of a generation (journaling what changed).
     """
 
     def __init__(self, number: int, world_size: int, *, ctx: JobContext,
@@ -57,7 +60,8 @@ class Generation:
                  training_timeout: TrainingTimeout,
                  divergence: Callable[[int], dict[str, Any] | None],
                  mark_lost: Callable[[], list[NodeRecord]],
-                 on_worker: Callable[[str, WorkerEvent], None]) -> None:
+                 on_worker: Callable[[str, WorkerEvent], None],
+                 stragglers: Callable[[int], object]) -> None:
         self.number = number
         self.world_size = world_size
         self.ctx = ctx
@@ -68,6 +72,7 @@ class Generation:
         self._divergence = divergence
         self._mark_lost = mark_lost
         self._on_worker = on_worker
+        self._stragglers = stragglers
         self.started: dict[str, list[int]] = {}
         self._started_count = 0  # sum of len(started[...]), kept as it changes
         self.exits: dict[int, dict[str, Any]] = {}
@@ -105,6 +110,16 @@ class Generation:
             return Outcome(Cause.NODE_LOST, {"node_id": node.node_id,
                                              "message": f"node {node.node_id} went silent"})
         return self._hang()
+
+    def tick(self) -> None:
+        """A turn of the loop: journal the training timeout's calibration once it moved
+        enough (``TrainingTimeout.needs_journal``), then judge the launch's stragglers."""
+        timeout = self.training_timeout
+        if timeout.needs_journal():
+            self.ctx.record(ev.Calibration(max_interval_s=timeout.max_interval,
+                                           training_timeout_s=round(timeout.value(), 3),
+                                           intervals=timeout.intervals))
+        self._stragglers(self.number)
 
     def _hang(self) -> Outcome | None:
         gen = self.progress.current

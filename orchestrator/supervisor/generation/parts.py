@@ -8,7 +8,9 @@ through the recorder). Every deadline and sleep reads the one clock.
 
 Each launch (or adoption) gets its own ``judge.Generation``: the observe and stop loops hand
 it what the intake queued, and it returns the launch's outcome. The intake only learns
-which launch its news is for.
+which launch its news is for. Between batches a turn of the observe loop hands the periodic
+work to its owners: the ``Generation`` (calibration, stragglers), ``SupersededNodes`` and
+the ``ChaosDesk``; the training timeout, which outlives a launch, is held here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from orchestrator.contracts.rundir import is_remote, stack_file_name
 from orchestrator.contracts.state import Cause, JobState, NodeState
 from orchestrator.supervisor.chaos import ChaosDesk
 from orchestrator.supervisor.context import JobContext
-from orchestrator.supervisor.generation.hangs import collective_timeout_s
+from orchestrator.supervisor.generation.hangs import TrainingTimeout, collective_timeout_s
 from orchestrator.supervisor.generation.judge import Generation, Observation
 from orchestrator.supervisor.generation.outcome import Outcome
 from orchestrator.supervisor.intake import Intake
@@ -73,6 +75,12 @@ class GenerationParts:
         self.stability = stability
         self.chaos = chaos
         self.superseded = superseded
+        # Calibrated from the steps of every launch and carried over from the journal's
+        # last ``calibration``: each launch's ``Generation`` judges hangs by it and journals
+        # it as it moves; the ranks' collective timeout is set above it.
+        self.training_timeout = TrainingTimeout(
+            ctx.cfg.timeouts, ctx.view.calibration.get("max_interval_s"),
+            ctx.view.calibration.get("intervals") or 0)
         self.stop_requested = stop_requested
         self._transition = transition
         self.current: Generation | None = None  # the launch observed (or adopted) last
@@ -98,10 +106,10 @@ class GenerationParts:
     def _generation(self, generation: int, world_size: int) -> Generation:
         intake = self.intake
         return Generation(generation, world_size, ctx=self.ctx, nodes=self.nodes,
-                          progress=intake.progress, training_timeout=intake.training_timeout,
+                          progress=intake.progress, training_timeout=self.training_timeout,
                           divergence=self.stability.divergence,
                           mark_lost=intake.mark_silent_nodes_lost,
-                          on_worker=intake.worker_event)
+                          on_worker=intake.worker_event, stragglers=intake.stragglers.tick)
 
     # -- launch ------------------------------------------------------------------------------
     async def launch(self, generation: int, placement: Placement,
@@ -211,7 +219,7 @@ class GenerationParts:
                 # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
                 resume_max_step=resume_max,
                 collective_timeout_s=collective_timeout_s(
-                    self.cfg.timeouts, self.intake.training_timeout,
+                    self.cfg.timeouts, self.training_timeout,
                     own_script=self.cfg.job.entrypoint is not None),
                 chaos=self.chaos.plan(),
                 in_job_wait_s=self.cfg.restart.in_job_wait_s if self.cfg.restart.in_job
@@ -228,7 +236,7 @@ class GenerationParts:
         Moves LAUNCHING -> RUNNING once every rank has started. An operator's stop ends the
         observation with an ``operator`` outcome, unless ``within_s`` bounds it instead (the
         ranks' final checkpoint after a stop): then TimeoutError when it runs out."""
-        intake, clock = self.intake, self.ctx.clock
+        clock = self.ctx.clock
         judge = self.judging(generation)
         launch_deadline = clock.monotonic() + self.cfg.timeouts.launch_s
         end = None if within_s is None else clock.monotonic() + within_s
@@ -250,7 +258,7 @@ class GenerationParts:
                                            f"{self.cfg.timeouts.launch_s:.0f} s"})
             # A turn's periodic work, in the order it always ran (the journal of a turn
             # keeps its order): calibration and stragglers, superseded nodes, then kills.
-            await intake.tick(generation)
+            judge.tick()
             await self.superseded.stop(generation)
             await self.chaos.tick(generation)
 

@@ -16,6 +16,7 @@ from fakes import FakeClock, FakeLog, begin_generation, make_context, make_intak
 from orchestrator.config import Config
 from orchestrator.contracts.protocol import (
     EventBatch,
+    Heartbeat,
     RankExit,
     RankInfo,
     RanksStarted,
@@ -203,3 +204,23 @@ def test_a_silent_node_of_the_launch_is_lost(launch: Launch) -> None:
     assert outcome is not None and outcome.cause is Cause.NODE_LOST
     assert outcome.detail == {"node_id": "n1", "message": "node n1 went silent"}
     assert launch.nodes.nodes["n1"].state is NodeState.LOST
+
+
+def test_a_turn_journals_the_calibration_once_the_ranks_pace_moved_it(launch: Launch) -> None:
+    """``Generation.tick``: the training timeout the hang checks calibrated from the ranks'
+    pace is journaled (a restarted supervisor starts from it), and not again while it holds."""
+    launch.gen.tick()
+    assert launch.events("calibration") == []  # no pace reported yet: nothing to carry
+    for step in range(1, 31):
+        launch.clock.advance(0.5)
+        for i in range(2):
+            launch.intake.on_heartbeat(Heartbeat(node_id=f"n{i}", generation=2, ranks=[
+                RankInfo(rank=r, local_rank=r % PPN, step=step, phase="training",
+                         beat_ts=launch.clock.time(), step_interval_max=0.5)
+                for r in range(i * PPN, (i + 1) * PPN)]))
+    assert launch.gen.judge([]) is None  # the hang check reads the pace
+    launch.gen.tick()
+    launch.gen.tick()
+    [calibration] = launch.events("calibration")
+    assert calibration["max_interval_s"] == 0.5
+    assert calibration["training_timeout_s"] == round(launch.gen.training_timeout.value(), 3)
