@@ -121,7 +121,7 @@ class StabilityHook:
         self._cache_path = ctx.rundir.root / CACHE_NAME
         self._cache_written = -math.inf
         # A rollback's restore limit, for the next launch only (the launch consumes it).
-        self.resume_max_step: int | None = None
+        self._resume_max_step: int | None = None
         self.abandoned_records = 0  # records that arrived after a rollback was decided
         # The newest generation rolled back: its records may still arrive after the rollback
         # (an agent relays what its ranks sent before the stop with its next beat, which can
@@ -129,10 +129,15 @@ class StabilityHook:
         self.rolled_back: int = max((int(r.get("generation") or 0)
                                      for r in ctx.recorder.view.rollbacks), default=0)
 
+    def resume_limit(self) -> int | None:
+        """The newest step the next launch may resume from (a rollback's restore limit; 0:
+        start afresh), or None: any committed step."""
+        return self._resume_max_step
+
     def launched(self) -> None:
-        """A launch carried ``resume_max_step`` to its ranks: a rollback's limit holds for
+        """A launch carried ``resume_limit()`` to its ranks: a rollback's limit holds for
         that one launch only."""
-        self.resume_max_step = None
+        self._resume_max_step = None
 
     # -- the live stream -----------------------------------------------------------------------
     def on_records(self, generation: int, records: list[StepRecord]) -> None:
@@ -285,7 +290,7 @@ class StabilityHook:
             discarded_checkpoints=discard, from_step=from_step,
             wasted_steps=None if from_step is None else max(0, from_step - (target or 0))))
         event = env.event.fields()
-        self.resume_max_step = plan.restore_max_step
+        self._resume_max_step = plan.restore_max_step
         self.ctx.log.warning("rolled back", restore_step=target, skip_window=plan.skip_window,
                              lr_scale_total=event["lr_scale_total"], discarded=discard)
         return event

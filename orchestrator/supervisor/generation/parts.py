@@ -122,7 +122,7 @@ class GenerationParts:
         rank0 = next(n for n, r in placement.active.items() if r == 0)
         master = nodes.nodes[rank0]
         ppn = self.cfg.cluster.procs_per_node
-        env = self.generation_env(generation)
+        env = self.generation_env(generation, resume_max_step=self.stability.resume_limit())
         self.stability.launched()  # a rollback's limit holds for one launch only
         entrypoint, preload = self.entrypoint(), self.preload()  # the same for every node
         assignments = {}
@@ -186,12 +186,15 @@ class GenerationParts:
         # -P: the rank's working directory (a user's `trainer.py`, say) cannot shadow ours.
         return [default_python(self.cfg), "-P", "-m", "trainer"]
 
-    def generation_env(self, generation: int) -> dict[str, str]:
-        """What a generation's ranks need beyond torch.distributed's variables."""
+    def generation_env(self, generation: int, *, resume_max_step: int | None) -> dict[str, str]:
+        """What a generation's ranks need beyond torch.distributed's variables.
+
+        ``resume_max_step`` is the newest step the ranks may resume from (a rollback's limit,
+        ``StabilityHook.resume_limit``), None for any; the collective timeout is set above
+        the training timeout held here, and the chaos desk gives the fault-injection plan."""
         # The S3 endpoint (MinIO, ...) as botocore reads it, so every S3 client of a rank
         # (checkpoints, data, a user script's boto3) uses it; job.env can still override it.
         endpoint = self.cfg.checkpoint.endpoint_url
-        resume_max = self.stability.resume_max_step
         # The job's checkpoint signing key (a path, never the key itself: the assignment is
         # journaled); generated once at 0600 when none is given, beside a local checkpoint
         # root (the run directory by default), so every run that shares those checkpoints
@@ -217,7 +220,7 @@ class GenerationParts:
                 checkpoint_root=self.ctx.checkpoint_root,
                 skip_windows=self.ctx.view.skip_windows, lr_scale=self.ctx.view.lr_scale,
                 # 0 is a limit too (a rollback to before the first checkpoint: start afresh).
-                resume_max_step=resume_max,
+                resume_max_step=resume_max_step,
                 collective_timeout_s=collective_timeout_s(
                     self.cfg.timeouts, self.training_timeout,
                     own_script=self.cfg.job.entrypoint is not None),

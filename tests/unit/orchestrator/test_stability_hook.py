@@ -130,7 +130,7 @@ def test_roll_back_discards_the_abandoned_lineage_and_journals_the_window(
     assert event["restore_step"] == 20 and event["restore_max_step"] == 24
     assert event["discarded_checkpoints"] == [30, 40]
     assert event["skip_window"] == [24, 29] and event["wasted_steps"] == 13
-    assert sup.stability.resume_max_step == 24
+    assert sup.stability.resume_limit() == 24
     assert sup.view.skip_windows == [[24, 29]] and sup.view.lr_scale == 1.0
     assert 30 in sup.view.pruned_steps
     assert sup.metric("orchestrator_rollbacks_total") == 1
@@ -153,7 +153,7 @@ def test_a_late_plan_of_a_handled_generation_is_not_carried_out(sup: FakeSupervi
     sup.beat(1, records(1, 24) + records(25, 25, {25: 900.0}))
     assert sup.stability.roll_back(sup.view, {"generation": 2, "last_step": 30}) is None
     sup.journal.flush()
-    assert sup.stability.resume_max_step is None
+    assert sup.stability.resume_limit() is None
     assert not [e for e in read_events(sup.rundir.journal) if e["kind"] == "rollback"]
 
 

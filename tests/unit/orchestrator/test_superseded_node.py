@@ -85,8 +85,11 @@ def test_the_generation_env_carries_the_runs_lineage(tmp_path: Path) -> None:
                                       generation=1, rank=0))
     parts = GenerationParts(ctx, nodes, intake, StabilityHook(ctx), asyncio.Event(),
                             lambda s: None, chaos=ChaosDesk(ctx, nodes), superseded=superseded)
-    env = ec.GenerationEnv.from_env(parts.generation_env(2))
+    env = ec.GenerationEnv.from_env(parts.generation_env(2, resume_max_step=None))
     assert env.generation == 2 and env.lineage == [(1, -1), (2, 30)]
+    assert env.resume_max_step is None  # no rollback's limit: any committed step
+    limited = ec.GenerationEnv.from_env(parts.generation_env(2, resume_max_step=0))
+    assert limited.resume_max_step == 0  # a rollback to before the first checkpoint
     assert env.run_id == ctx.view.run_id and env.run_id.startswith("run-")
     ctx.recorder.journal.flush()  # the same from any reader of the journal (a standby's)
     again = JobView.from_events(read_journal(ctx.rundir.journal))
