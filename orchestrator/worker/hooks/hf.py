@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from typing import Any
 
 from orchestrator.worker.hooks.core import FrameworkHook
@@ -45,10 +46,14 @@ def callback_class() -> type:
 
 class _Callback:
     def __init__(self, trainer: Any, hook: FrameworkHook | None = None) -> None:
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)  # the trainer holds this callback
         self.hook = hook
         self._loss_at_begin: float = 0.0
         self.clip_norm: float | None = None
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
 
     def _ensure(self) -> FrameworkHook:
         if self.hook is None:
@@ -91,59 +96,83 @@ class _Callback:
 
 
 def attach(trainer: Any, hook: FrameworkHook | None = None) -> Any:
-    """Instrument one Hugging Face ``Trainer`` (idempotent); returns it."""
+    """Instrument one Hugging Face ``Trainer`` (idempotent); returns it.
+
+    Nothing here holds the trainer strongly (the callback and the wrapped methods reach it
+    through a weak reference): a trainer the script drops is freed then, with its DDP
+    model and the process group's references it keeps, as an unattached one is, not left
+    to the garbage collection of the interpreter's shutdown."""
     if getattr(trainer, _ATTACHED, None) is not None:
         return trainer
     cb = callback_class()(trainer, hook)
     trainer.add_callback(cb)
     setattr(trainer, _ATTACHED, cb)
-    clip, train, save, evaluate = (trainer._clip_grad_norm, trainer.train,
-                                   trainer._save_checkpoint, trainer.evaluate)
-
-    @functools.wraps(clip)
-    def clip_and_keep(*args: Any, **kwargs: Any) -> Any:
-        norm = clip(*args, **kwargs)
-        cb.clip_norm = float(norm) if norm is not None else None
-        return norm
-
-    @functools.wraps(train)
-    def train_from_newest(*args: Any, **kwargs: Any) -> Any:
-        ckpts = cb._ensure().checkpoints
-        if not args and kwargs.get("resume_from_checkpoint") in (None, False) \
-                and ckpts is not None:
-            found = ckpts.newest()
-            if found is not None:
-                kwargs["resume_from_checkpoint"] = found[1]
-        return train(*args, **kwargs)
-
-    @functools.wraps(save)
-    def save_into_layout(model: Any, trial: Any = None, *args: Any, **kwargs: Any) -> Any:
-        hook = cb._ensure()
-        step = trainer.state.global_step
-        t0 = time.perf_counter()
-        with hook.phase("checkpointing"):
-            out = save(model, trial, *args, **kwargs)
-            ckpts = hook.checkpoints
-            if ckpts is not None:
-                _barrier()  # every rank's files (its RNG state) are written
-                source = os.path.join(trainer._get_output_dir(trial=trial), f"checkpoint-{step}")
-                ckpts.adopt(step, source)
-                ckpts.commit(step, tokens=getattr(trainer.state, "num_input_tokens_seen", 0),
-                             blocking_s=time.perf_counter() - t0, framework="hf")
-                _barrier()  # no rank goes on (or resumes) before the commit
-        return out
-
-    @functools.wraps(evaluate)
-    def evaluate_in_phase(*args: Any, **kwargs: Any) -> Any:
-        hook = cb._ensure()
-        with hook.phase("evaluating"):
-            return evaluate(*args, **kwargs)
-
-    trainer._clip_grad_norm = clip_and_keep
-    trainer.train = train_from_newest
-    trainer._save_checkpoint = save_into_layout
-    trainer.evaluate = evaluate_in_phase
+    ref = weakref.ref(trainer)
+    for name, wrapper in _WRAPPERS.items():
+        if hasattr(trainer, name):
+            setattr(trainer, name, _bind(ref, cb, _unbound(trainer, name), wrapper))
     return trainer
+
+
+def _unbound(trainer: Any, name: str) -> Any:
+    """``trainer.name`` as a function taking the trainer first (no reference to it kept)."""
+    bound = getattr(trainer, name)
+    if getattr(bound, "__self__", None) is trainer:
+        return bound.__func__
+    return lambda _trainer, *args, **kwargs: bound(*args, **kwargs)  # the script's own
+
+
+def _bind(ref: Any, cb: Any, original: Any, wrapper: Any) -> Any:
+    @functools.wraps(original)
+    def method(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(ref(), cb, original, *args, **kwargs)
+
+    return method
+
+
+def _clip_and_keep(trainer: Any, cb: Any, clip: Any, *args: Any, **kwargs: Any) -> Any:
+    norm = clip(trainer, *args, **kwargs)
+    cb.clip_norm = float(norm) if norm is not None else None
+    return norm
+
+
+def _train_from_newest(trainer: Any, cb: Any, train: Any, *args: Any, **kwargs: Any) -> Any:
+    ckpts = cb._ensure().checkpoints
+    if not args and kwargs.get("resume_from_checkpoint") in (None, False) \
+            and ckpts is not None:
+        found = ckpts.newest()
+        if found is not None:
+            kwargs["resume_from_checkpoint"] = found[1]
+    return train(trainer, *args, **kwargs)
+
+
+def _save_into_layout(trainer: Any, cb: Any, save: Any, model: Any, trial: Any = None,
+                      *args: Any, **kwargs: Any) -> Any:
+    hook = cb._ensure()
+    step = trainer.state.global_step
+    t0 = time.perf_counter()
+    with hook.phase("checkpointing"):
+        out = save(trainer, model, trial, *args, **kwargs)
+        ckpts = hook.checkpoints
+        if ckpts is not None:
+            _barrier()  # every rank's files (its RNG state) are written
+            source = os.path.join(trainer._get_output_dir(trial=trial), f"checkpoint-{step}")
+            ckpts.adopt(step, source)
+            ckpts.commit(step, tokens=getattr(trainer.state, "num_input_tokens_seen", 0),
+                         blocking_s=time.perf_counter() - t0, framework="hf")
+            _barrier()  # no rank goes on (or resumes) before the commit
+    return out
+
+
+def _evaluate_in_phase(trainer: Any, cb: Any, evaluate: Any, *args: Any, **kwargs: Any) -> Any:
+    with cb._ensure().phase("evaluating"):
+        return evaluate(trainer, *args, **kwargs)
+
+
+# The Trainer's methods wrapped on an attached instance.
+_WRAPPERS = {"_clip_grad_norm": _clip_and_keep, "train": _train_from_newest,
+             "_save_checkpoint": _save_into_layout,
+             "evaluate": _evaluate_in_phase}
 
 
 def patch_class(module: Any) -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from orchestrator.contracts import env as ec
 from orchestrator.worker.hook import _framework_hooks_wanted
 from orchestrator.worker.hooks import attach, core
+from orchestrator.worker.hooks import hf as hf_hook
 from orchestrator.worker.hooks import torchtitan as tt_hook
 from orchestrator.worker.scriptphases import ScriptPhases
 from orchestrator.worker.sdk import Worker
@@ -227,3 +228,39 @@ def test_framework_hooks_are_on_unless_the_job_says_false(
 def test_attach_refuses_what_is_not_a_trainer() -> None:
     with pytest.raises(TypeError, match="not a trainer"):
         attach(object())
+
+
+# -- the Hugging Face Trainer itself, in this process (one rank, no process group) ----------
+def _hf_trainer(out: Path, steps: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8))
+    tokens = torch.randint(0, 32, (64, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for x in tokens]
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
+                             learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, logging_steps=100)
+    return Trainer(model=model, args=args, train_dataset=data)
+
+
+def test_an_attached_trainer_is_freed_when_the_script_drops_it(tmp_path: Path) -> None:
+    """The hook keeps no reference cycle through the trainer: dropped, it goes at once (its
+    DDP model and process group references with it), not in the garbage collection of the
+    interpreter's shutdown, where native threads of torch.distributed may be gone."""
+    import gc
+    import weakref
+
+    trainer = hf_hook.attach(_hf_trainer(tmp_path / "out", 2),
+                     core.FrameworkHook("hf", _managed(tmp_path, {})))
+    trainer.train()
+    assert trainer.state.global_step == 2
+    gone = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert gone() is None
+    finally:
+        gc.enable()
