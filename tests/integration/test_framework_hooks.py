@@ -148,6 +148,27 @@ def test_a_killed_rank_resumes_from_our_checkpoint_and_a_stopped_one_is_found_in
     assert ours and ours == theirs
 
 
+def test_a_job_restarted_after_its_final_save_trains_no_step_more(
+        tmp_path: Path, dataset_dir: Path) -> None:
+    """Rank 0 of a Hugging Face job fails on its way out, after the final step's checkpoint:
+    the restarted job resumes that checkpoint and ends there (the Trainer, resumed at
+    ``max_steps``, would train a step more)."""
+    cfg = _config(tmp_path, dataset_dir, "hf",
+                  {"STEPS": "20", "FAIL_ONCE": str(tmp_path / "failed-once")},
+                  checkpoint={"interval_steps": 10, "keep_last": 2})
+    run_dir = tmp_path / "run"
+    out = finish(_start(cfg, run_dir), run_dir, 300)
+    assert status(run_dir)["state"] == "COMPLETED", out[-4000:]
+    events = journal(run_dir)
+    assert [f["cause"] for f in events if f["kind"] == "failure"] == ["worker_exit"]
+    assert [e["step"] for e in events if e["kind"] == "resumed"] == [20]
+    assert [r["step"] for r in _steps(run_dir)] == list(range(1, 21))
+    assert _committed(run_dir) == [10, 20]
+    finals = [x.split("final step", 1)[1] for x in _run_log(run_dir).splitlines()
+              if "final step" in x]
+    assert len(finals) == 2 and finals[0] == finals[1] and finals[0].startswith(" 20 "), finals
+
+
 def _progress(run_dir: Path) -> int:
     return max((r["step"] for r in _steps(run_dir)), default=0)
 

@@ -13,7 +13,9 @@ adds :class:`OrchestratorCallback` and wraps, on that trainer only:
   ``checkpoint.interval_steps`` and at an operator's stop) runs in the ``checkpointing``
   phase and its ``checkpoint-N`` directory is moved into the job's layout and committed
   (``checkpoints``);
-- ``evaluate``: the ``evaluating`` phase.
+- ``evaluate``: the ``evaluating`` phase;
+- ``_run_epoch``: no epoch starts once ``max_steps`` are done (a resume from the final
+  checkpoint trains no step more).
 
 The loss of a step is the ``Trainer``'s running training loss since the step began (summed
 over gradient accumulation), averaged over the ranks; the skip decision is taken in
@@ -146,6 +148,19 @@ def _train_from_newest(trainer: Any, cb: Any, train: Any, *args: Any, **kwargs: 
     return train(trainer, *args, **kwargs)
 
 
+def _run_epoch_unless_done(trainer: Any, cb: Any, run_epoch: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+    """No epoch starts once ``max_steps`` are done. The ``Trainer`` tests for the end only
+    after a step: resumed from its final checkpoint (a job restarted after its last save),
+    it would train one step past ``max_steps`` (at learning rate 0 on a decaying schedule:
+    the same parameters, but one step more counted, reported and saved)."""
+    state = trainer.state
+    if 0 < state.max_steps <= state.global_step:
+        trainer.control.should_training_stop = True
+        return None
+    return run_epoch(trainer, *args, **kwargs)
+
+
 def _save_into_layout(trainer: Any, cb: Any, save: Any, model: Any, trial: Any = None,
                       *args: Any, **kwargs: Any) -> Any:
     hook = cb._ensure()
@@ -169,9 +184,10 @@ def _evaluate_in_phase(trainer: Any, cb: Any, evaluate: Any, *args: Any, **kwarg
         return evaluate(trainer, *args, **kwargs)
 
 
-# The Trainer's methods wrapped on an attached instance.
+# The Trainer's methods wrapped on an attached instance (``_run_epoch``: transformers 5's
+# epoch loop, where there is one).
 _WRAPPERS = {"_clip_grad_norm": _clip_and_keep, "train": _train_from_newest,
-             "_save_checkpoint": _save_into_layout,
+             "_run_epoch": _run_epoch_unless_done, "_save_checkpoint": _save_into_layout,
              "evaluate": _evaluate_in_phase}
 
 

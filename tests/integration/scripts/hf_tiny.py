@@ -8,6 +8,8 @@ Environment (all optional):
   POISON_STEP  the step whose loss is scaled by 1e4 (a gradient explosion)
   OUT          the Trainer's output_dir (default ./hf-out)
   ATTACH       "1": attach the orchestrator's hook with its one line
+  FAIL_ONCE    a path: rank 0 exits 1 after its final line unless the path exists (which
+               it then creates): a rank that fails on its way out, once
 """
 
 import os
@@ -64,6 +66,10 @@ def main() -> None:
     if trainer.is_world_process_zero():
         digest = sum(float(p.detach().double().sum()) for p in model.parameters())
         print(f"final step {trainer.state.global_step} params {digest!r}", flush=True)
+        once = os.environ.get("FAIL_ONCE")
+        if once and not os.path.exists(once):
+            open(once, "w").close()
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -246,6 +246,36 @@ def _hf_trainer(out: Path, steps: int) -> Any:
     return Trainer(model=model, args=args, train_dataset=data)
 
 
+def _digest(trainer: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_a_trainer_resumed_from_its_final_checkpoint_trains_no_step_more(
+        tmp_path: Path) -> None:
+    """A job restarted after its last save (a rank that failed on its way out) resumes the
+    final checkpoint: the Trainer, which tests for ``max_steps`` only after a step, would
+    train (and report, and save) one step more."""
+    job = {"checkpoint": {"interval_steps": 2, "keep_last": 2}}
+    first = hf_hook.attach(_hf_trainer(tmp_path / "out", 4),
+                   core.FrameworkHook("hf", _managed(tmp_path, job)))
+    first.train()
+    assert first.state.global_step == 4
+    done = _digest(first)
+    worker = _managed(tmp_path, job)  # the next generation's process
+    again = hf_hook.attach(_hf_trainer(tmp_path / "out", 4), core.FrameworkHook("hf", worker))
+    assert not all(torch.equal(a, b) for a, b in zip(_digest(again), done))
+    out = again.train()
+    assert again.state.global_step == out.global_step == 4
+    assert [r["step"] for r in worker.records()] == []
+    assert [d["step"] for n, d in worker.events if n == "checkpoint_committed"] == []
+    assert all(torch.equal(a, b) for a, b in zip(_digest(again), done))
+    # A job given more steps still trains on from the same checkpoint.
+    more = _managed(tmp_path, job)
+    longer = hf_hook.attach(_hf_trainer(tmp_path / "out", 6), core.FrameworkHook("hf", more))
+    longer.train()
+    assert [r["step"] for r in more.records()] == [5, 6]
+
+
 def test_an_attached_trainer_is_freed_when_the_script_drops_it(tmp_path: Path) -> None:
     """The hook keeps no reference cycle through the trainer: dropped, it goes at once (its
     DDP model and process group references with it), not in the garbage collection of the
