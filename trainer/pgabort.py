@@ -30,32 +30,38 @@ _WAIT_S = 60.0
 _LOCK = threading.Condition()
 _ABORTED: set[int] = set()  # ids of the process groups this process has aborted
 _IN_FLIGHT = 0  # abort_groups calls still aborting
-_EPOCH = 0  # bumped when the groups are left: a late abort's figures are not the next's
+_EPOCH = 0  # the groups' generation in this process: bumped when they are left
 # Groups left while their abort ran, kept alive until the next time groups are left.
 _LEFT: list[Any] = []
-# Each aborted group's backend and the seconds its abort took, until the groups are left:
-# an NCCL communicator's abort takes about half a second on a Hopper host.
-ABORT_TIMES: list[tuple[str, float]] = []
-# Wall-clock start and end of the aborts (whichever thread ran them), until the groups are
-# left.
-ABORT_SPAN: dict[str, float] = {}
-# The groups left while aborting, once their aborts ended: "abort_end" (wall clock) and
-# "group_aborts" (as ABORT_TIMES's), until the groups are left again.
-LATE: dict[str, Any] = {}
+# Per epoch (this one and the one before): each aborted group's "backend:seconds" (an
+# NCCL communicator's abort takes about half a second on a Hopper host), and the aborts'
+# wall-clock start and end, whichever thread ran them.
+_RECORDS: dict[int, dict[str, Any]] = {}
+
+
+def epoch() -> int:
+    """The current groups' epoch (for :func:`record`)."""
+    with _LOCK:
+        return _EPOCH
+
+
+def _record(at: int) -> dict[str, Any]:
+    return _RECORDS.setdefault(at, {"times": []})
 
 
 def _holds_nccl(backend: Any) -> bool:
     return "nccl" in str(backend).lower()
 
 
-def abort_groups(slow_s: float = 0.0) -> None:
+def abort_groups(slow_s: float = 0.0, wait: bool = True) -> None:
     """Abort every process group of this process not aborted yet, without a collective: a
     thread blocked in one of their operations gets an error. Safe from any thread (NVRx's
     in-process restart aborts from its monitor thread the same way); the order thread and
     the training thread may both call it, and each group is aborted once, by the first
     caller (two concurrent aborts of one NCCL communicator are undefined); a later caller
-    returns at once. ``slow_s``: seconds added before the default group (or a group holding
-    an NCCL communicator) is aborted (``chaos.slow_abort_s``: NCCL's abort, on gloo)."""
+    returns at once. Without ``wait`` the groups are claimed now and aborted in a thread of
+    their own. ``slow_s``: seconds added before the default group (or a group holding an
+    NCCL communicator) is aborted (``chaos.slow_abort_s``: NCCL's abort, on gloo)."""
     import torch.distributed.distributed_c10d as c10d
 
     global _IN_FLIGHT
@@ -68,30 +74,41 @@ def abort_groups(slow_s: float = 0.0) -> None:
         world = c10d.GroupMember.WORLD
         # The default group (which holds the NCCL communicator on a GPU) last.
         todo.sort(key=lambda pg: pg is world or _holds_nccl(backends[pg]))
+        slow = {id(pg) for pg in todo if pg is world or _holds_nccl(backends[pg])}
         _IN_FLIGHT += 1
-        epoch = _EPOCH
-        ABORT_SPAN.setdefault("abort_start", time.time())
+        at = _EPOCH
+        rec = _record(at)
+        rec.setdefault("abort_start", time.time())
+        rec["in_flight"] = rec.get("in_flight", 0) + 1
+    if wait:
+        _abort(todo, backends, slow if slow_s > 0 else set(), slow_s, at)
+    else:
+        threading.Thread(target=_abort, name="orch-abort-groups", daemon=True,
+                         args=(todo, backends, slow if slow_s > 0 else set(), slow_s,
+                               at)).start()
+
+
+def _abort(todo: list[Any], backends: dict[Any, Any], slow: set[int], slow_s: float,
+           at: int) -> None:
+    """Abort the claimed groups ``todo`` in order (see :func:`abort_groups`); ``at``: their
+    epoch."""
+    global _IN_FLIGHT
     try:
         for pg in todo:
             t0 = time.perf_counter()
-            if slow_s > 0 and (pg is world or _holds_nccl(backends[pg])):
+            if id(pg) in slow:
                 time.sleep(slow_s)
-                slow_s = 0.0
+                slow = set()
             with contextlib.suppress(Exception):  # a backend without abort
                 pg.abort()
-            took = f"{backends[pg]}:{time.perf_counter() - t0:.3f}"
             with _LOCK:
-                if epoch == _EPOCH:
-                    ABORT_TIMES.append((str(backends[pg]), round(time.perf_counter() - t0, 4)))
-                elif epoch == _EPOCH - 1:  # left while aborting (leave_groups' overlap)
-                    LATE["group_aborts"] = f"{LATE.get('group_aborts', '')} {took}".strip()
+                _record(at)["times"].append(f"{backends[pg]}:{time.perf_counter() - t0:.3f}")
     finally:
         with _LOCK:
             _IN_FLIGHT -= 1
-            if epoch == _EPOCH:
-                ABORT_SPAN["abort_end"] = time.time()
-            elif epoch == _EPOCH - 1:
-                LATE["abort_end"] = time.time()
+            rec = _record(at)
+            rec["in_flight"] -= 1
+            rec["abort_end"] = time.time()
             _LOCK.notify_all()
 
 
@@ -107,27 +124,19 @@ def wait_aborts(timeout: float) -> bool:
         return _LOCK.wait_for(lambda: _IN_FLIGHT == 0, timeout=timeout)
 
 
-def abort_detail(injob: Any, t0: float) -> dict[str, Any]:
-    """Where a survivor's time went around its recovery's start (``t0``): the order's
-    arrival and each group's abort done so far, whichever thread ran it (taken before the
-    groups are left, which forgets them)."""
-    out: dict[str, Any] = {}
-    if injob.delivered_at is not None:
-        out["order_lag_s"] = round(t0 - injob.delivered_at, 6)
+def record(at: int) -> dict[str, Any]:
+    """What the aborts of epoch ``at``'s groups did so far: ``group_aborts`` (each group's
+    "backend:seconds", in order), ``abort_start`` and ``abort_end`` (wall clock; no end while
+    one still runs)."""
     with _LOCK:
-        if ABORT_TIMES:
-            out["group_aborts"] = " ".join(f"{b}:{s:.3f}" for b, s in ABORT_TIMES)[:256]
-    return out
-
-
-def abort_span(injob: Any) -> dict[str, float]:
-    """Wall-clock marks of the order's arrival and the aborts' start (and end, if done)."""
-    out: dict[str, float] = {}
-    if injob.delivered_at is not None:
-        out["order"] = time.time() - (time.perf_counter() - injob.delivered_at)
-    with _LOCK:
-        out.update(ABORT_SPAN)
-    return out
+        rec = _RECORDS.get(at, {})
+        out: dict[str, Any] = {k: v for k, v in rec.items() if k in ("abort_start", "abort_end")}
+        if rec.get("in_flight"):
+            out.pop("abort_end", None)
+            out["aborts_running"] = True
+        if rec.get("times"):
+            out["group_aborts"] = " ".join(rec["times"])[:256]
+        return out
 
 
 @contextlib.contextmanager
@@ -163,7 +172,6 @@ def leave_groups(overlap: bool) -> bool:
         kept = {id(pg) for pg in _LEFT}
         _ABORTED.difference_update(kept)  # their aborts ended long ago: ids free again
         _LEFT.clear()
-        LATE.clear()
     if busy and overlap:
         with _LOCK:
             _LEFT.extend(old)
@@ -177,7 +185,7 @@ def leave_groups(overlap: bool) -> bool:
         dist.destroy_process_group()
     with _LOCK:
         _ABORTED.difference_update(id(pg) for pg in old if not (busy and overlap))
-        ABORT_TIMES.clear()
-        ABORT_SPAN.clear()
         _EPOCH += 1
+        for stale in [e for e in _RECORDS if e < _EPOCH - 1]:
+            del _RECORDS[stale]
     return busy and overlap

@@ -63,13 +63,30 @@ def peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_ERRORS)
 
 
+def survivor_detail(injob: Any, t0: float, groups_epoch: int, overlapped: bool = False
+                    ) -> tuple[dict[str, Any], dict[str, float]]:
+    """Where a survivor's time went around its recovery's start (``t0``), taken when it
+    reports: the order's lag and each old group's abort (``trainer.pgabort.record`` of
+    ``groups_epoch``), and their wall-clock marks. ``overlapped``: it left the old groups
+    while their abort ran."""
+    rec = pgabort.record(groups_epoch)
+    aborts: dict[str, Any] = {k: rec[k] for k in ("group_aborts", "aborts_running") if k in rec}
+    at = {k: rec[k] for k in ("abort_start", "abort_end") if k in rec}
+    if injob.delivered_at is not None:
+        aborts["order_lag_s"] = round(t0 - injob.delivered_at, 6)
+        at["order"] = time.time() - (time.perf_counter() - injob.delivered_at)
+    if overlapped:
+        aborts["overlapped"] = True
+    return aborts, at
+
+
 def report_recovered(worker: Any, log: Log, step: int, abandoned: int, from_generation: int,
                      tier: str, marks: tuple[float, float, float, float, float],
                      aborts: dict[str, Any] | None = None,
                      at: dict[str, float] | None = None) -> None:
     """The ``recovered`` event and log line of a rank back in place at ``step``. ``marks``:
     the recovery's start, the order's arrival, the abort done, the groups made, the restore
-    done (``time.perf_counter``); ``aborts``: :func:`abort_detail`'s fields; ``at``: the
+    done (``time.perf_counter``); ``aborts``: :func:`survivor_detail`'s fields; ``at``: the
     wall-clock end of each finer part (``at_<part>`` fields: a bench lays them on the
     kill's time line)."""
     t0, t_wait, t_abort, t_group, done = marks
@@ -111,9 +128,23 @@ class Rejoin:
     _at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     # Whether the current recovery left its old groups while their abort still ran.
     _overlapped: bool = field(default=False, init=False, repr=False)
+    # The next generation's rendezvous store, served from the order's arrival when this
+    # rank hosts it (``trainer.distributed.host_store_ahead``), until its groups are made.
+    _store: Any = field(default=None, init=False, repr=False)
+
+    def _host_store(self, injob: Any) -> None:
+        """Order thread: serve the ordered generation's store now if this rank hosts it."""
+        from trainer.distributed import host_store_ahead
+
+        order = injob.pending()
+        if order is not None:
+            self._store = host_store_ahead(order.env)
 
     def enable(self, worker: Any) -> None:
         injob = worker.injob
+        # The order's callbacks run in registration order: the next generation's store is
+        # served before the old groups' abort (half a second on NCCL) begins.
+        injob.enable(functools.partial(self._host_store, injob))
         injob.enable(functools.partial(pgabort.abort_groups,
                                        slow_s=worker.ctx.chaos.slow_abort_s))
         if hasattr(self.stepper, "interrupt"):
@@ -131,6 +162,7 @@ class Rejoin:
         t0 = time.perf_counter()
         at: dict[str, float] = {"caught": time.time()}
         self._at = at
+        groups_epoch = pgabort.epoch()
         abandoned = p.progress.step
         from_generation = worker.ctx.generation
         self.log(f"collective failed at step {abandoned + 1} ({type(exc).__name__}: "
@@ -147,9 +179,9 @@ class Rejoin:
             t_wait = time.perf_counter()
             self.log(f"recover order for generation {order.generation}: aborting the "
                      "process groups, ending the save threads")
-            pgabort.abort_groups()  # what the order thread has not claimed
-            aborts = pgabort.abort_detail(injob, t0)
-            at.update(pgabort.abort_span(injob))
+            # What the order thread has not claimed yet (its callbacks may still be
+            # running): aborted in a thread, as the order thread's own would be.
+            pgabort.abort_groups(slow_s=worker.ctx.chaos.slow_abort_s, wait=False)
             self._drain(p)
             at["drained"] = time.time()
             if p.memory is not None:  # verified while the new groups meet
@@ -166,11 +198,8 @@ class Rejoin:
         except Exception as other:
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RejoinFailed(f"in-place recovery failed: {other}") from other
-        if self._overlapped:  # the old groups' abort, finished meanwhile (or not yet)
-            late = dict(pgabort.LATE)
-            if "abort_end" in late:
-                at["left_abort_end"] = late["abort_end"]
-            aborts["overlapped_aborts"] = str(late.get("group_aborts", "running"))[:256]
+        aborts, marks = survivor_detail(injob, t0, groups_epoch, self._overlapped)
+        at.update(marks)
         report_recovered(worker, self.log, p.progress.step, abandoned, from_generation, tier,
                          (t0, t_wait, t_abort, t_group, time.perf_counter()), aborts, at)
         return True
@@ -198,6 +227,7 @@ class Rejoin:
         self.log(f"joining generation {order.generation}'s process groups at "
                  f"{order.env.get('MASTER_ADDR')}:{order.env.get('MASTER_PORT')}")
         fresh = init_distributed(self.settings.trainer, marks=self._at)
+        self._store = None  # the default group holds the server now
         if (fresh.rank, fresh.world_size) != (p.dctx.rank, p.dctx.world_size):
             raise RejoinFailed(f"the order makes this rank {fresh.rank} of {fresh.world_size}"
                                f", not {p.dctx.rank} of {p.dctx.world_size}")

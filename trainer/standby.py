@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,6 @@ def prepare(local_rank: int) -> None:
         torch.cuda.init()
         torch.empty(1, device="cuda")  # the context and the allocator, not the model
         PREPARED["device"] = f"cuda:{torch.cuda.current_device()}"
-    configured = configure_ahead()
-    if configured is not None:
-        PREPARED["configured"] = configured
     cache = compile_cache_path(os.environ)
     if cache is not None and cache.is_file():
         PREPARED["compile_cache"] = load_compile_cache(cache)
@@ -66,6 +64,16 @@ def prepare(local_rank: int) -> None:
     if compiles:  # last: whatever happens to it, the rest is prepared
         PREPARED.update(compile_step_ahead(local_rank))
     PREPARED["prepare_s"] = time.time() - t0
+    # In the background, after the preparation: the spare waits for its hand-off meanwhile
+    # (a rank taking it over before this ends finishes the same imports itself).
+    threading.Thread(target=_configure_in_background, name="orch-standby-configure",
+                     daemon=True).start()
+
+
+def _configure_in_background() -> None:
+    configured = configure_ahead()
+    if configured is not None:
+        PREPARED["configured"] = configured
 
 
 def configure_ahead() -> str | None:

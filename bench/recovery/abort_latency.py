@@ -2,7 +2,7 @@
 
 In an in-place recovery (docs/recovery.md) the agent reports a dead rank within
 milliseconds and writes each survivor a ``recover`` order; the survivor's order thread
-aborts its process groups (``trainer.rejoin.abort_groups``) and its training thread, blocked
+aborts its process groups (``trainer.pgabort.abort_groups``) and its training thread, blocked
 in the step, gets an error. On 2 x H200 that took 0.8-1.2 s after a SIGKILL of the peer and
 0.06 s after a SIGSTOP (the peer killed once the hang was judged). This script measures it
 alone, two ranks on two GPUs over NCCL, with no orchestrator:

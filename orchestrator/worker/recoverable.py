@@ -280,8 +280,8 @@ class Recoverable:
         rank restored; the script continues from there. Re-raises ``exc`` otherwise, and
         raises :class:`RecoveryFailed` (the rank exits, the job restarts in full) when the
         recovery cannot be done."""
-        from trainer.pgabort import abort_detail
-        from trainer.rejoin import peer_failure, report_recovered
+        from trainer.pgabort import epoch
+        from trainer.rejoin import peer_failure, report_recovered, survivor_detail
 
         injob = self.worker.injob
         if self.in_job_off is not None or not injob.enabled or not (
@@ -289,6 +289,7 @@ class Recoverable:
             raise exc
         worker = self.worker
         t0 = time.perf_counter()
+        groups_epoch = epoch()
         abandoned = self.progress.step
         from_generation = worker.ctx.generation
         self.log(f"collective failed after step {abandoned} ({type(exc).__name__}: "
@@ -301,7 +302,6 @@ class Recoverable:
                                      "(restart.in_job_wait_s)")
             t_wait = time.perf_counter()
             self._abort()
-            aborts = abort_detail(injob, t0)
             if not self.memory.abandon(_DRAIN_S):
                 raise RecoveryFailed(f"the memory tier's commit did not end within "
                                      f"{_DRAIN_S} s of the abort")
@@ -318,8 +318,9 @@ class Recoverable:
         except Exception as other:  # any other error: the same fallback
             worker.event("recovery_failed", error=f"{type(other).__name__}: {other}"[:4000])
             raise RecoveryFailed(f"in-place recovery failed: {other}") from other
+        aborts, at = survivor_detail(injob, t0, groups_epoch)
         report_recovered(worker, self.log, step, abandoned, from_generation, tier,
-                         (t0, t_wait, t_abort, t_group, time.perf_counter()), aborts)
+                         (t0, t_wait, t_abort, t_group, time.perf_counter()), aborts, at)
         return step
 
     def _rejoin(self, order: Any) -> None:

@@ -110,17 +110,15 @@ def test_the_next_groups_are_made_while_the_old_ones_still_abort(
     assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
     (recovered,) = [e for e in events if e["kind"] == "recovered"]
     assert pids(events, 2)[0] == pids(events, 1)[0]
-    # The gloo-only groups were aborted at once; the default group's slow abort was left
-    # running, and its groups were made before it ended.
-    aborted = recovered["group_aborts"].split()
-    assert len(aborted) == 2 and all(a.startswith("gloo:") for a in aborted), aborted
     # It left the old groups and began making the next ones (its device picked, the
-    # rendezvous next) before the abort ended, 3 s after the order.
+    # rendezvous next) before the default group's abort ended, 3 s after the order.
+    assert recovered["overlapped"] is True, recovered
     assert recovered["at_left"] < recovered["at_device_ready"] < recovered["at_order"] + 3.0
-    if "at_left_abort_end" in recovered:
-        assert recovered["at_left_abort_end"] >= recovered["at_order"] + 3.0
-    assert recovered["overlapped_aborts"] == "running" or \
-        recovered["overlapped_aborts"].startswith("gloo:3."), recovered
+    if "at_abort_end" in recovered:
+        assert recovered["at_abort_end"] >= recovered["at_order"] + 3.0
+        assert recovered["group_aborts"].split()[-1].startswith("gloo:3."), recovered
+    else:
+        assert recovered["aborts_running"] is True, recovered
     check_final(run, reference)
 
     # The same fault with overlap_abort off: the survivor waits for the abort.
@@ -130,8 +128,8 @@ def test_the_next_groups_are_made_while_the_old_ones_still_abort(
     result = up(cfg, tmp_path / "run2")
     assert result.returncode == 0, result.stdout[-4000:]
     (recovered,) = [e for e in journal(tmp_path / "run2") if e["kind"] == "recovered"]
-    assert "overlapped_aborts" not in recovered
-    assert recovered["at_left"] >= recovered["at_order"] + 3.0
+    assert "overlapped" not in recovered and "aborts_running" not in recovered
+    assert recovered["at_left"] >= recovered["at_abort_end"] >= recovered["at_order"] + 3.0
     check_final(tmp_path / "run2", reference)
 
 
@@ -168,7 +166,8 @@ def test_memory_tier_rollback_picks_the_step_every_rank_holds(tmp_path: Path,
     (failure,) = failures(events)
     assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
     (recovered,) = [e for e in events if e["kind"] == "recovered"]
-    assert recovered["tier"] == "memory"
+    # Its own copy, or its partner's where its own of that step was not committed.
+    assert recovered["tier"] in ("memory", "memory_partner"), recovered
     assert recovered["step"] in (25, 26), recovered  # not the durable tier's 20
     assert pids(events, 2)[0] == pids(events, 1)[0]
     check_final(run, reference)
