@@ -162,6 +162,32 @@ def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
     return DistContext(rank, local_rank, world, device, backend, ckpt_group, marks=marks)
 
 
+def host_store_ahead(env: dict[str, str]) -> dist.TCPStore | None:
+    """Serve the rendezvous store of the generation ``env`` describes now, when this rank
+    hosts it (RANK 0, no agent store), and return it; None otherwise.
+
+    A peer that reaches the rendezvous before the store's host (a warm replacement, while a
+    surviving rank 0 still aborts its old groups) is a TCPStore client that retries with a
+    growing delay: it connected 0.2-0.6 s after the server came up on this CPU, and the
+    next group formed 1.2-2.3 s after both ranks had arrived on 2 x H200 when the survivor
+    hosted the store, against 0.5 s when the replacement did. ``init_process_group``'s
+    env:// rendezvous makes rank 0's store multi-tenant, so it reuses this server while the
+    returned object lives: keep it until the group is made."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
+        return None
+    try:
+        rank = ec.get_int(env, "RANK", None, minimum=0)
+        world = ec.get_int(env, "WORLD_SIZE", None, minimum=1)
+        port = ec.get_int(env, "MASTER_PORT", None, minimum=1)
+    except ec.EnvError:  # the rank's own rendezvous says what is wrong
+        return None
+    addr = env.get("MASTER_ADDR")
+    if rank != 0 or world is None or port is None or port > 65535 or not addr:
+        return None
+    return dist.TCPStore(addr, port, world, True, wait_for_workers=False, multi_tenant=True,
+                         timeout=datetime.timedelta(seconds=collective_timeout_s()))
+
+
 def new_memory_group(dctx: DistContext) -> dist.ProcessGroup | None:
     """The memory tier's own gloo group (None without process groups): partner copies
     travel in the tier's commit thread, never beside the training thread's or the async
