@@ -209,7 +209,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     parts.memory_interval = settings.checkpoint.memory_interval_steps or 0
     parts.replacement = ec.is_replacement(os.environ)
     parts.rejoin = build_rejoin(settings, dctx, ctx, worker, backend, checkpointer, stepper,
-                                log)
+                                log, memory)
     if cfg.parallelism.compile and ctx.managed and dctx.local_rank == 0:
         from trainer.standby import compile_cache_path
 
@@ -219,7 +219,7 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
 
 def build_rejoin(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                  worker: Worker, backend: Backend, checkpointer: Checkpointer, stepper: Any,
-                 log: Callable[[str], None]) -> Any:
+                 log: Callable[[str], None], memory: Any = None) -> Any:
     """In-job recovery (``trainer.rejoin``) when the supervisor turned it on for this
     generation and the strategy can rejoin in place; None otherwise (said once)."""
     if ctx.in_job_wait_s is None or not ctx.managed or not dctx.distributed:
@@ -231,6 +231,7 @@ def build_rejoin(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext
         return None
     from trainer.rejoin import Rejoin
 
-    rejoin = Rejoin(settings, backend, checkpointer, stepper, ctx.in_job_wait_s, log)
+    rejoin = Rejoin(settings, backend, checkpointer, stepper, ctx.in_job_wait_s, log,
+                    memory=memory)
     rejoin.enable(worker)
     return rejoin

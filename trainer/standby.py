@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,19 +60,15 @@ def prepare(local_rank: int) -> None:
         # Slots whose first copy comes later (this standby started with the job) are
         # page-locked as their copies are committed, until the hand-off.
         watch_own_slots(Path(memory), rank)
-    if compiles:  # last: whatever happens to it, the rest is prepared
+    if compiles:  # whatever happens to it, the rest is prepared
         PREPARED.update(compile_step_ahead(local_rank))
-    PREPARED["prepare_s"] = time.time() - t0
-    # In the background, after the preparation: the spare waits for its hand-off meanwhile
-    # (a rank taking it over before this ends finishes the same imports itself).
-    threading.Thread(target=_configure_in_background, name="orch-standby-configure",
-                     daemon=True).start()
-
-
-def _configure_in_background() -> None:
+    # Last, in this thread: a hand-off that comes meanwhile waits at most for imports the
+    # rank would make itself (in a thread of their own, they raced the rank's imports of
+    # the same modules: "partially initialized module").
     configured = configure_ahead()
     if configured is not None:
         PREPARED["configured"] = configured
+    PREPARED["prepare_s"] = time.time() - t0
 
 
 def configure_ahead() -> str | None:

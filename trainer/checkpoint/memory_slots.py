@@ -236,6 +236,8 @@ class DigestAhead:
     def __init__(self, root: Path, rank: int, max_step: int | None,
                  every: bool = False) -> None:
         self._digests: dict[tuple[str, str], str] = {}
+        self._done = threading.Condition()  # notified at each digest and at the end
+        self._finished = False
         self.seconds = 0.0
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, args=(root, rank, max_step, every),
@@ -254,19 +256,28 @@ class DigestAhead:
             for copy in copies if every else copies[:1]:
                 buf = slots.map("own", rank, copy.slot)
                 if buf is not None:
-                    self._digests[(copy.slot, copy.manifest.digest)] = \
-                        digest_of(buf, copy.manifest)
+                    found = digest_of(buf, copy.manifest)
+                    with self._done:
+                        self._digests[(copy.slot, copy.manifest.digest)] = found
+                        self._done.notify_all()
         except (OSError, ValueError) as exc:  # the plan digests it itself then
             self.error = f"{type(exc).__name__}: {exc}"[:300]
         finally:
             slots.close()
             self.seconds = time.perf_counter() - t0
+            with self._done:
+                self._finished = True
+                self._done.notify_all()
 
     def digest(self, slot: str, manifest: mf.MemoryManifest) -> str | None:
-        """The digest of ``slot``'s bytes as its ``manifest`` lays them out (waiting for
-        the thread), or None when it was not computed ahead."""
-        self._thread.join()
-        return self._digests.get((slot, manifest.digest))
+        """The digest of ``slot``'s bytes as its ``manifest`` lays them out, or None when
+        it was not computed ahead: waits until that copy's digest is done (not the older
+        copies after it: an in-job recovery rolls back to the newest copy as a rule) or
+        the thread has ended."""
+        key = (slot, manifest.digest)
+        with self._done:
+            self._done.wait_for(lambda: key in self._digests or self._finished)
+            return self._digests.get(key)
 
 
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
