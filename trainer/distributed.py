@@ -162,9 +162,27 @@ def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
     return DistContext(rank, local_rank, world, device, backend, ckpt_group, marks=marks)
 
 
+def store_spec(env: dict[str, str]) -> tuple[str, int, int] | None:
+    """The rendezvous store this rank hosts in the generation ``env`` describes: (address,
+    port, world size) for RANK 0 without an agent store, None otherwise or for values out
+    of bounds (the rank's own rendezvous then says what is wrong)."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
+        return None
+    try:
+        rank = ec.get_int(env, "RANK", None, minimum=0)
+        world = ec.get_int(env, "WORLD_SIZE", None, minimum=1)
+        port = ec.get_int(env, "MASTER_PORT", None, minimum=1)
+    except ec.EnvError:
+        return None
+    addr = env.get("MASTER_ADDR")
+    if rank != 0 or world is None or port is None or port > 65535 or not addr:
+        return None
+    return addr, port, world
+
+
 def host_store_ahead(env: dict[str, str]) -> dist.TCPStore | None:
     """Serve the rendezvous store of the generation ``env`` describes now, when this rank
-    hosts it (RANK 0, no agent store), and return it; None otherwise.
+    hosts it (:func:`store_spec`), and return it; None otherwise.
 
     A peer that reaches the rendezvous before the store's host (a warm replacement, while a
     surviving rank 0 still aborts its old groups) is a TCPStore client that retries with a
@@ -173,17 +191,10 @@ def host_store_ahead(env: dict[str, str]) -> dist.TCPStore | None:
     hosted the store, against 0.5 s when the replacement did. ``init_process_group``'s
     env:// rendezvous makes rank 0's store multi-tenant, so it reuses this server while the
     returned object lives: keep it until the group is made."""
-    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
+    spec = store_spec(env)
+    if spec is None:
         return None
-    try:
-        rank = ec.get_int(env, "RANK", None, minimum=0)
-        world = ec.get_int(env, "WORLD_SIZE", None, minimum=1)
-        port = ec.get_int(env, "MASTER_PORT", None, minimum=1)
-    except ec.EnvError:  # the rank's own rendezvous says what is wrong
-        return None
-    addr = env.get("MASTER_ADDR")
-    if rank != 0 or world is None or port is None or port > 65535 or not addr:
-        return None
+    addr, port, world = spec
     return dist.TCPStore(addr, port, world, True, wait_for_workers=False, multi_tenant=True,
                          timeout=datetime.timedelta(seconds=collective_timeout_s()))
 

@@ -7,8 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.servers import free_port
-from trainer.distributed import host_store_ahead
+from trainer.distributed import host_store_ahead, store_spec
 
 ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
@@ -20,6 +23,22 @@ def test_only_the_hosting_rank_serves_the_store() -> None:
                 {"WORLD_SIZE": "0"}, {"RANK": "-1"}):
         assert host_store_ahead({**ENV, **bad}) is None, bad
     assert host_store_ahead({k: v for k, v in ENV.items() if k != "MASTER_PORT"}) is None
+
+
+_VALUE = st.one_of(st.text(max_size=12), st.integers(-5, 70000).map(str),
+                   st.sampled_from(["0", "1", "2", "65535", "65536", "true", "True", " 0"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                        "TORCHELASTIC_USE_AGENT_STORE", "OTHER"]), _VALUE))
+def test_any_order_environment_gives_a_bounded_spec_or_none(env: dict[str, str]) -> None:
+    spec = store_spec(env)
+    if spec is not None:
+        addr, port, world = spec
+        assert addr and 1 <= port <= 65535 and world >= 1
+        assert int(env["RANK"]) == 0
+        assert env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() not in ("1", "true")
 
 
 # Rank 0 serves the store at once, then (1.5 s later, as a survivor after its abort) makes
