@@ -83,8 +83,10 @@ def test_resume_from_s3_alone_past_corrupt_checkpoints_is_bit_exact(
     events = journal(tmp_path / "run-1")
     commits = [(e["step"], e["tier"]) for e in events if e["kind"] == "checkpoint_committed"]
     assert sorted(commits) == [(s, t) for s in (10, 20, 30, 40) for t in ("local", "remote")]
-    assert [e["steps"] for e in events if e["kind"] == "checkpoint_pruned"
-            and e["tier"] == "local"] == [[10], [20]]
+    # Steps 10 and 20 leave the local tier, after commits 30 and 40, or together after 40
+    # when step 10's upload was still pending at 30 (a copy not yet on S3 is kept).
+    assert sorted(s for e in events if e["kind"] == "checkpoint_pruned"
+                  and e["tier"] == "local" for s in e["steps"]) == [10, 20]
     tiers = {c["step"]: c["tier"] for c in status(tmp_path / "run-1")["checkpoints"]}
     assert tiers == {10: "remote", 20: "remote", 30: "local+remote", 40: "local+remote"}
     reference = final_state_dict(local / JOB / "step-00000040")
