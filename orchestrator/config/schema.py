@@ -493,28 +493,23 @@ class ChaosConfig(Section):
         default_factory=list,
         description="Global batch indices whose gradients the trainer blows up (x1e4).",
     )
-    fail_at_start_rank: int | None = Field(
-        None, ge=0, description="This rank exits with code 3 at start-up, every time."
-    )
+    fail_at_start_rank: int | None = Field(None, ge=0, description="This rank exits with "
+                                           "code 3 at start-up, every time.")
     fail_rejoin_rank: int | None = Field(
         None, ge=0, description="This rank fails every in-job recovery it survives, after "
         "its new process groups are made (the job falls back to a full restart)."
     )
-    slow_checkpoint_s: float = Field(
-        0.0, ge=0, le=3600, description="Every save blocks training this much longer (tests timeouts)."
-    )
-    slow_first_step_s: float = Field(
-        0.0, ge=0, le=3600, description="Each generation's first step takes this much longer."
-    )
+    slow_checkpoint_s: float = Field(0.0, ge=0, le=3600, description="Every save blocks "
+                                     "training this much longer (tests timeouts).")
+    slow_first_step_s: float = Field(0.0, ge=0, le=3600, description="Each generation's "
+                                     "first step takes this much longer.")
     slow_final_commit_s: float = Field(
         0.0, ge=0, le=3600,
         description="The final save's commit (after the last step) takes this much longer.",
     )
-    slow_abort_s: float = Field(
-        0.0, ge=0, le=3600, description="A survivor's abort of its process groups in an "
-        "in-job recovery takes this much longer (NCCL's abort takes about 0.5 s; gloo's "
-        "none).",
-    )
+    slow_abort_s: float = Field(0.0, ge=0, le=3600, description="A survivor's abort of its "
+        "process groups in an in-job recovery takes this much longer (NCCL's abort takes "
+        "about 0.5 s; gloo's none).")
     slow_ranks: dict[int, float] = Field(
         default_factory=dict,
         description="rank -> seconds added to each of its steps (a straggler).",
