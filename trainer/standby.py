@@ -62,33 +62,7 @@ def prepare(local_rank: int) -> None:
         watch_own_slots(Path(memory), rank)
     if compiles:  # whatever happens to it, the rest is prepared
         PREPARED.update(compile_step_ahead(local_rank))
-    # Last, in this thread: a hand-off that comes meanwhile waits at most for imports the
-    # rank would make itself (in a thread of their own, they raced the rank's imports of
-    # the same modules: "partially initialized module").
-    configured = configure_ahead()
-    if configured is not None:
-        PREPARED["configured"] = configured
     PREPARED["prepare_s"] = time.time() - t0
-
-
-def configure_ahead() -> str | None:
-    """The rank's process settings (threads, deterministic algorithms) applied ahead, as
-    the rank applies them (``trainer.distributed.configure_process``): the first
-    ``torch.use_deterministic_algorithms`` imports TorchDynamo and Inductor, 0.5-1.4 s of a
-    CPU replacement's critical path before its process group. What was done, or why not."""
-    from trainer.distributed import configure_process
-    from trainer.settings import load_settings
-
-    try:
-        config = ec.AgentEnv.from_env(os.environ).config_path
-        if not config:
-            return None
-        settings = load_settings(config)
-        local_world = ec.get_int(os.environ, "LOCAL_WORLD_SIZE", 1, minimum=1) or 1
-        configure_process(settings.trainer, local_world)
-    except Exception as exc:  # noqa: BLE001 - best effort: the rank configures itself
-        return f"failed: {type(exc).__name__}: {exc}"[:300]
-    return "deterministic" if settings.trainer.deterministic else "threads"
 
 
 def compile_step_ahead(local_rank: int) -> dict[str, Any]:

@@ -259,6 +259,7 @@ class DigestAhead:
                     found = digest_of(buf, copy.manifest)
                     with self._done:
                         self._digests[(copy.slot, copy.manifest.digest)] = found
+                        self.seconds = time.perf_counter() - t0  # so far
                         self._done.notify_all()
         except (OSError, ValueError) as exc:  # the plan digests it itself then
             self.error = f"{type(exc).__name__}: {exc}"[:300]
