@@ -62,8 +62,9 @@ phases = st.sampled_from([None, "init", "training", "checkpointing"])
        st.floats(0, 60, allow_nan=False))
 def test_the_hang_precheck_agrees_with_the_full_scan(
         beats: list[tuple[int, int, str | None, float]], wait: float) -> None:
-    """``any_overdue`` (oldest rank per phase) says yes exactly when ``find_hangs`` (every
-    rank) finds a suspect."""
+    """``any_overdue`` (oldest rank per phase) says yes whenever ``find_hangs`` (every
+    rank) finds a suspect: it never hides a hang. It may say yes for a rank that the scan
+    then spares (a rank in its warm-up steps has a longer limit than its phase's)."""
     CASES["hangs"] += 1
     cfg = Config.model_validate({"timeouts": {"training_floor_s": 10.0,
                                               "phases": {"init": 20.0, "checkpointing": 40.0}}})
@@ -79,8 +80,8 @@ def test_the_hang_precheck_agrees_with_the_full_scan(
     assert gen is not None
     training = TrainingTimeout(cfg.timeouts, None)
     now = clock.monotonic()
-    assert any_overdue(gen, cfg.timeouts, training, now) == \
-        bool(find_hangs(gen, cfg.timeouts, training, now))
+    suspects = find_hangs(gen, cfg.timeouts, training, now)
+    assert any_overdue(gen, cfg.timeouts, training, now) or not suspects, suspects
 
 
 def test_fuzz_case_counts() -> None:
