@@ -162,6 +162,8 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     with worker.phase("loading"):
         found = restore.choose(memory, checkpointer, dctx, ctx.resume_max_step, log)
     choice = found.choice
+    if marks is not None:
+        marks.update(found.at)
     mark("chose_checkpoint")
     # Fine-tuning: the backend loads the frozen base (model.init_from_hf) while it builds.
     with worker.phase("loading") if cfg.finetune is not None else contextlib.nullcontext():

@@ -269,6 +269,7 @@ class Rejoin:
         from trainer import restore
 
         found = restore.choose(p.memory, self.checkpointer, p.dctx, None, self.log)
+        self._at.update(found.at)
         self._at["chose_checkpoint"] = time.time()
         if found.empty:
             raise RejoinFailed("no checkpoint to roll back to (the memory tier and the "

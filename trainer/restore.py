@@ -30,6 +30,11 @@ class Restore:
     tier_note: dict[str, Any] | None = None
 
     @property
+    def at(self) -> dict[str, float]:
+        """Wall-clock ends of the memory plan's parts (empty: no plan)."""
+        return dict(getattr(self.plan, "at", None) or {})
+
+    @property
     def from_memory(self) -> bool:
         return self.plan is not None and self.plan.use
 
@@ -50,8 +55,10 @@ def plan_memory_restore(memory: Any, checkpointer: Checkpointer, dctx: DistConte
         newest = [checkpointer.store.newest_committed(max_step, log)]
     if dctx.ckpt_group is not None:
         dist.broadcast_object_list(newest, src=0, group=dctx.ckpt_group)
+    shared = time.time()
     plan = memory.plan(newest[0], max_step)
     plan.durable_step = newest[0]
+    plan.at = {"durable_shared": shared, **plan.at}
     return plan
 
 

@@ -33,6 +33,9 @@ class Plan:
     verify_s: float = 0.0
     durable_step: int | None = None  # the durable tier's newest committed step
     slot: str | None = None  # this rank's own slot holding the copy
+    # Wall-clock ends of the plan's parts (listed, gathered, verified, transferred) and of
+    # the digests computed ahead: where a restore's wait goes, on the recovery's time line.
+    at: dict[str, float] = field(default_factory=dict)
 
 
 class MemoryRestore:
@@ -99,12 +102,23 @@ class MemoryRestore:
         """Collective over the group: whether (and from which step) every rank restores
         from memory, and this rank's verified bytes. Durable ``None``: no checkpoint."""
         t0 = time.perf_counter()
+        at: dict[str, float] = {}
         own, held, notes = self._candidates(max_step)
+        at["plan_listed"] = time.time()
         mine = {"own": sorted(own), "held": sorted(held), "notes": notes[:8]}
         every: list[Any] = [mine]
         if self.group is not None and self.world_size > 1:
             every = [None] * self.world_size
             dist.all_gather_object(every, mine, group=self.group)
+        at["plan_gathered"] = time.time()
+        plan = self._decide(every, own, held, durable_step, t0)
+        plan.at = {**at, **plan.at, **dict(getattr(self._ahead, "marks", None) or {})}
+        return plan
+
+    def _decide(self, every: list[Any], own: dict[int, Copy], held: dict[int, Copy],
+                durable_step: int | None, t0: float) -> Plan:
+        """The plan's choice from every rank's candidates, then the verification and the
+        partners' transfers it needs (collective)."""
         floor = -1 if durable_step is None else durable_step
         sources: dict[int, list[int]] = {}  # step -> ranks that need their partner
         steps = sorted({s for e in every for s in e["own"]} |
@@ -135,13 +149,16 @@ class MemoryRestore:
                         verify_s=time.perf_counter() - t0)
         need = sources[chosen]
         data, manifest, problem = None, None, None
+        at: dict[str, float] = {}
         if self.rank not in need:
             data, problem = self._verify(own[chosen], self.rank)
             manifest = own[chosen].manifest
+            at["plan_verified"] = time.time()
         if self.rank in need:
             problem = "not received"
         data, manifest, problem, problems = self._transfer(need, chosen, held, data, manifest,
                                                            problem)
+        at["plan_transferred"] = time.time()
         # A rank whose own copy fails (torn, bit-rot) takes its partner's, when it has one.
         retry = [r for r, p in enumerate(problems) if p and r not in need and self.partnered
                  and chosen in every[(r + self.ppn) % self.world_size]["held"]]
@@ -163,7 +180,7 @@ class MemoryRestore:
         slot = next((c.slot for c in self.slots.copies("own", self.rank)
                      if c.manifest.step == chosen), None)
         return Plan(True, chosen, how, need, data, manifest, time.perf_counter() - t0,
-                    slot=slot)
+                    slot=slot, at=at)
 
     def _transfer(self, need: list[int], step: int, held: dict[int, Copy], data: Any,
                   manifest: Any, problem: str | None) -> tuple[Any, Any, str | None, list]:

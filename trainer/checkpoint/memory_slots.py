@@ -240,6 +240,8 @@ class DigestAhead:
         self._finished = False
         self.seconds = 0.0
         self.error: str | None = None
+        # Wall-clock marks: the start, and the end of each copy's digest (``digest_<step>``).
+        self.marks: dict[str, float] = {"digest_start": time.time()}
         self._thread = threading.Thread(target=self._run, args=(root, rank, max_step, every),
                                         name="memory-digest-ahead", daemon=True)
         self._thread.start()
@@ -259,6 +261,7 @@ class DigestAhead:
                     found = digest_of(buf, copy.manifest)
                     with self._done:
                         self._digests[(copy.slot, copy.manifest.digest)] = found
+                        self.marks[f"digest_{copy.manifest.step}"] = time.time()
                         self.seconds = time.perf_counter() - t0  # so far
                         self._done.notify_all()
         except (OSError, ValueError) as exc:  # the plan digests it itself then
