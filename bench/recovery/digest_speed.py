@@ -9,6 +9,9 @@ same time (the survivor's):
     fresh       a new mapping of the file, digested (what ``DigestAhead`` does)
     faulted     the same mapping again (its pages already mapped)
     two         two processes, each a fresh mapping of its own file, at once
+    beside_busy the same bytes hashed per tensor (``--segments`` updates, as the digest
+                was) and in ``digest_of``'s 1 GiB pieces, alone and beside a Python thread
+                that never sleeps (a training thread): each update returns to the GIL
 
     python bench/recovery/digest_speed.py --gb 6.8 --repeat 2 --out F
 """
@@ -44,6 +47,44 @@ def _digest(buf: mmap.mmap) -> float:
     return time.perf_counter() - t0
 
 
+def _pieces(buf: mmap.mmap, count: int) -> float:
+    t0 = time.perf_counter()
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    view, step = memoryview(buf), -(-len(buf) // count)
+    for start in range(0, len(buf), step):
+        h.update(view[start:start + step])
+    h.hexdigest()
+    return time.perf_counter() - t0
+
+
+def _beside_busy(path: str, segments: int) -> dict[str, float]:
+    """Per tensor and in pieces, alone and beside a busy Python thread."""
+    import threading
+
+    fd = os.open(path, os.O_RDONLY)
+    buf = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    pieces = -(-len(buf) // (1 << 30))
+    out = {"per_tensor_alone_s": _pieces(buf, segments), "pieces_alone_s": _pieces(buf, pieces)}
+    stop = threading.Event()
+
+    def busy() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        out["per_tensor_beside_busy_s"] = _pieces(buf, segments)
+        out["pieces_beside_busy_s"] = _pieces(buf, pieces)
+    finally:
+        stop.set()
+        t.join()
+        buf.close()
+        os.close(fd)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def _fresh(path: str, out=None) -> tuple[float, float]:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -63,6 +104,9 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=6.8)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--segments", type=int, default=700,
+                    help="updates of the per-tensor digest (the 1.14B model's copy: ~700)")
+    ap.add_argument("--only-busy", action="store_true", help="only the beside_busy part")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -73,6 +117,11 @@ def main() -> int:
     runs = []
     try:
         for _ in range(args.repeat):
+            if args.only_busy:
+                r = {"beside_busy": _beside_busy(paths[0], args.segments)}
+                print(json.dumps(r), flush=True)
+                runs.append(r)
+                continue
             first, again = _fresh(paths[0])
             ctx = mp.get_context("spawn")  # blake3's thread pool does not survive a fork
             q = ctx.Queue()
@@ -86,7 +135,8 @@ def main() -> int:
                 pr.join()
             r = {"fresh_s": round(first, 3), "faulted_s": round(again, 3),
                  "two_at_once_s": [round(x, 3) for x in both], "two_wall_s": round(wall, 3),
-                 "fresh_gb_per_s": round(args.gb / first, 2)}
+                 "fresh_gb_per_s": round(args.gb / first, 2),
+                 "beside_busy": _beside_busy(paths[0], args.segments)}
             print(json.dumps(r), flush=True)
             runs.append(r)
     finally:

@@ -18,7 +18,8 @@ segment straight into the live tensor that the fresh state dict names at the sam
 
 The manifest (``MemoryManifest``) records the format version, job, config hash, rank and
 world size, step and tokens, every segment (offset, size, dtype, shape), the BLAKE3 digest
-of the segments' bytes in order (computed while they are written) and the HMAC signature
+of the copy's ``data_bytes`` bytes (segments, their padding, the objects blob: one range,
+hashed in large pieces) and the HMAC signature
 of the durable tier (``signing``). It is parsed into that type before anything is used: a
 copy whose manifest is torn, unsigned, signed with another key, for another rank, world or
 config, or whose bytes do not match the digest is never loaded.
@@ -35,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from orchestrator.contracts import readback
 from trainer.checkpoint import signing
 
-FORMAT = "orchestrator-memory/1"
+FORMAT = "orchestrator-memory/2"
 ALIGN = 64
 MANIFEST_MAX_BYTES = 16 * 2**20  # a manifest this large is not one of ours
 MAX_SEGMENTS = 1_000_000
@@ -72,7 +73,7 @@ class MemoryManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    format: Literal["orchestrator-memory/1"]
+    format: Literal["orchestrator-memory/2"]
     job: str = Field(max_length=256)
     config_hash: str | None = Field(None, max_length=128)
     rank: Annotated[int, Field(ge=0, le=1 << 24)]

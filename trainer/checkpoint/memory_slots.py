@@ -210,14 +210,24 @@ class DigestCancelled(Exception):
     """A digest stopped midway (an in-job recovery cancelled the commit it was for)."""
 
 
+# The digest hashes a copy in pieces this large: each ``update`` hands the bytes to
+# blake3's own threads without the GIL and takes the GIL back at its end. Per tensor (about
+# 700 segments for the 1.14B model) each return waited for the training thread's GIL: 0.5-1.3
+# s for a copy blake3 hashes in 0.1 s alone.
+DIGEST_PIECE = 1 << 30
+
+
 def digest_of(data: memoryview | mmap.mmap, m: mf.MemoryManifest,
               cancelled: threading.Event | None = None) -> str:
+    """BLAKE3 of the copy's first ``data_bytes`` bytes (its segments, their alignment
+    padding and the objects blob), in :data:`DIGEST_PIECE` pieces; raises
+    :class:`DigestCancelled` between pieces once ``cancelled`` is set."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    view = memoryview(data)
-    for seg in [*m.segments, m.objects]:
+    view = memoryview(data)[:m.data_bytes]
+    for start in range(0, m.data_bytes, DIGEST_PIECE):
         if cancelled is not None and cancelled.is_set():
             raise DigestCancelled
-        h.update(view[seg.offset:seg.offset + seg.nbytes])
+        h.update(view[start:start + DIGEST_PIECE])
     return "blake3:" + h.hexdigest()
 
 
