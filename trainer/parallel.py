@@ -195,6 +195,42 @@ def rebind_process_groups(model: nn.Module) -> int:
     return len(seen)
 
 
+def check_before_collectives(model: nn.Module, check: Callable[[], None]) -> int:
+    """Make FSDP2's all-gathers and reduce-scatters call ``check`` first (it raises to stop
+    the step). An in-job recovery aborts the old process groups while the training thread
+    may still issue a step's collectives: ProcessGroupNCCL's abort holds the group's lock
+    until NCCL's proxy thread ends (0.5-1.6 s), and a collective issued meanwhile waited
+    for all of it before it failed. Returns how many parameter groups call it (0: this
+    torch has no per-group collectives to wrap; the step's own safe points still check)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+    except ImportError:
+        return 0
+
+    class CheckedAllGather(DefaultAllGather):
+        def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            check()
+            return super().__call__(*args, **kwargs)
+
+    class CheckedReduceScatter(DefaultReduceScatter):
+        def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            check()
+            return super().__call__(*args, **kwargs)
+
+    wrapped = 0
+    for group in fsdp_param_groups(model):
+        # Only FSDP2's defaults: a custom or symmetric-memory collective is left as it is.
+        if type(getattr(group, "_all_gather_comm", None)) is DefaultAllGather and \
+                type(getattr(group, "_reduce_scatter_comm", None)) is DefaultReduceScatter:
+            group._all_gather_comm = CheckedAllGather()
+            group._reduce_scatter_comm = CheckedReduceScatter()
+            wrapped += 1
+    return wrapped
+
+
 def reset_iteration(model: nn.Module) -> None:
     """Forget a step that an exception cut short inside FSDP2's forward or backward: its
     per-iteration state is reset and every parameter is sharded again

@@ -48,9 +48,7 @@ class TorchStepper:
         self.cfg = cfg
         self.device = device
         self.after_update = after_update  # FP8 under FSDP2: the weights' scales, once per step
-        # Called at a step's safe points (its start, after its host sync): raises when the
-        # step must stop (an in-job recovery's order came: ``trainer.rejoin``).
-        self.interrupt: Callable[[], None] | None = None
+        self._interrupt: Callable[[], None] | None = None
         # Fine-tuning: the frozen base (NF4 under QLoRA) is reloaded at every start and never
         # changes, so norms and digests cover the trained adapters only.
         self._tracked = [(n, p) for n, p in model.named_parameters()
@@ -59,6 +57,21 @@ class TorchStepper:
         # tokens, 1 GB for the 1.14B model's batch) are never materialised.
         self.loss_fn = torch.compile(lm_loss, **compile_kwargs(device.type)) \
             if cfg.parallelism.compile else lm_loss
+
+    @property
+    def interrupt(self) -> Callable[[], None] | None:
+        """Called at a step's safe points (its start, before and after its host sync, and
+        before each of FSDP2's collectives): raises when the step must stop (an in-job
+        recovery's order came: ``trainer.rejoin``)."""
+        return self._interrupt
+
+    @interrupt.setter
+    def interrupt(self, check: Callable[[], None] | None) -> None:
+        from trainer.parallel import check_before_collectives
+
+        self._interrupt = check
+        if check is not None:
+            check_before_collectives(self.model, check)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP2 casts through its mixed-precision policy; DDP and none use autocast.
@@ -75,6 +88,8 @@ class TorchStepper:
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             loss_sum += self.forward_backward(inputs, targets, i == accum - 1, scale / accum)
+        if self.interrupt is not None:  # before the norm's all-reduce
+            self.interrupt()
         grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip))
         if self.interrupt is not None:  # the host sync may have ended with an abort
             self.interrupt()

@@ -73,3 +73,67 @@ def test_a_backward_cut_short_leaves_no_gradient_behind(one_rank_group,
     got = _grads(model, x)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
+
+
+
+def _checked_worker(rank: int, port: int, out: str) -> None:
+    import json
+
+    from trainer.parallel import check_before_collectives
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + rank))
+        want = _grads(_model(), x)
+        model = _model()
+        calls: list[int] = []
+        stop_at: list[int] = []
+
+        def check() -> None:
+            calls.append(1)
+            if len(calls) in stop_at:
+                raise _Cut(f"collective {len(calls)}")
+
+        res: dict = {"wrapped": check_before_collectives(model, check)}
+        model(x).sum().backward()
+        res["per_step"] = per_step = len(calls)
+        res["cuts"] = []
+        for cut in (1, per_step):  # the forward's first collective, the backward's last
+            calls.clear()
+            stop_at[:] = [cut]
+            try:
+                model(x).sum().backward()
+                res["cuts"].append(None)
+            except _Cut:
+                res["cuts"].append(len(calls))  # no collective issued after the cut
+            reset_iteration(model)
+        stop_at.clear()
+        got = _grads(model, x)
+        res["clean"] = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_collective_of_a_step_checks_the_order_first(tmp_path) -> None:
+    """An in-job recovery's order stops a step before its next FSDP2 collective, in the
+    forward (all-gather) and in the backward (reduce-scatter, in autograd's thread): a
+    collective issued on a group whose abort is running waits for the whole abort. Both
+    ranks cut at the same collective (as both see the order); after the reset, the next
+    step's gradients are a clean model's."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_checked_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["wrapped"] == 3  # the three layers (the root holds no parameter)
+        assert res["per_step"] >= 6  # each layer's all-gather and reduce-scatter
+        assert res["cuts"] == [1, res["per_step"]]
+        assert res["clean"]
