@@ -220,6 +220,11 @@ class ParallelismConfig(_Section):
         True, description="With compile and warm standbys (restart.standby): each standby "
         "compiles the step ahead on a two-block copy of the model (a few GB of GPU memory "
         "for a few seconds), so the rank it becomes compiles nothing at its first step.")
+    standby_nccl: bool = Field(
+        True, description="With NCCL and warm standbys (restart.standby): each standby "
+        "sets NCCL up ahead on a one-rank communicator it then shuts down (NCCL's "
+        "once-per-process set-up: its network and topology probes), so the rank it becomes "
+        "pays only for its own communicator.")
     overlap_abort: bool = Field(
         True, description="A rank recovering in place (restart.in_job) makes the next "
         "generation's process groups while its old NCCL communicator's abort finishes in "

@@ -151,7 +151,14 @@ def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
         timeout = datetime.timedelta(seconds=collective_timeout_s())
         pg_backend = process_group_spec(backend)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=pg_backend, timeout=timeout, **kwargs)
+        # init_process_group's own env:// rendezvous, done here to mark its end apart from
+        # the backends' set-up (NCCL's communicator): the same store, the same prefix.
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        store.set_timeout(timeout)
+        mark("store_ready")
+        dist.init_process_group(backend=pg_backend, timeout=timeout, rank=rank,
+                                world_size=world, store=dist.PrefixStore("default_pg", store),
+                                **kwargs)
         mark("default_group_ready")
         # Checkpoint collectives run on their own gloo group, in the async-save thread, so
         # they never queue behind (or interleave with) the training step's collectives.

@@ -45,6 +45,7 @@ def prepare(local_rank: int) -> None:
         torch.cuda.init()
         torch.empty(1, device="cuda")  # the context and the allocator, not the model
         PREPARED["device"] = f"cuda:{torch.cuda.current_device()}"
+        PREPARED.update(nccl_ahead())
     cache = compile_cache_path(os.environ)
     if cache is not None and cache.is_file():
         PREPARED["compile_cache"] = load_compile_cache(cache)
@@ -63,6 +64,36 @@ def prepare(local_rank: int) -> None:
     if compiles:  # whatever happens to it, the rest is prepared
         PREPARED.update(compile_step_ahead(local_rank))
     PREPARED["prepare_s"] = time.time() - t0
+
+
+def nccl_ahead() -> dict[str, Any]:
+    """NCCL set up in this process ahead (``trainer.parallelism.standby_nccl``): a one-rank
+    communicator on the current device, one all-reduce, then shut down. What NCCL does
+    once per process (its network plugin, interfaces and device probes) is then done
+    before the rank this standby becomes meets its peers; nothing stays on the GPU."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.settings import load_settings
+
+    try:
+        config = ec.AgentEnv.from_env(os.environ).config_path
+        if not config:
+            return {"nccl_ahead": "no job config in the standby's environment"}
+        cfg = load_settings(config).trainer.parallelism
+        if not cfg.standby_nccl:
+            return {"nccl_ahead": "off (trainer.parallelism.standby_nccl)"}
+        if cfg.backend not in ("auto", "nccl") or not dist.is_nccl_available():
+            return {"nccl_ahead": "the job does not use NCCL"}
+        t0 = time.perf_counter()
+        pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1)
+        one = torch.ones(1, device="cuda")
+        pg.allreduce([one]).wait()
+        torch.cuda.synchronize()
+        pg.shutdown()
+        return {"nccl_ahead_s": round(time.perf_counter() - t0, 6)}
+    except Exception as exc:  # noqa: BLE001 - best effort: the rank sets NCCL up itself
+        return {"nccl_ahead": f"failed: {type(exc).__name__}: {exc}"[:300]}
 
 
 def compile_step_ahead(local_rank: int) -> dict[str, Any]:

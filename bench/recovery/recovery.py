@@ -194,7 +194,7 @@ def breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dict[str, 
     })
     # Where build + restore went (the trainer's marks, in order), and when the agent saw
     # the rank exit (its channel closing: the kernel's teardown of the process comes later).
-    marks = ["imports_done", "device_ready", "default_group_ready", "dist_ready", "built_loader", "built_checkpointer", "chose_checkpoint",
+    marks = ["imports_done", "device_ready", "store_ready", "default_group_ready", "dist_ready", "built_loader", "built_checkpointer", "chose_checkpoint",
              "built_model", "built_optimizer", "loaded_state", "built"]
     seen = [m for m in marks if isinstance(startup.get(m), int | float)]
     out["build_parts_s"] = {b: round(startup[b] - startup[a], 3) for a, b in itertools.pairwise(seen)}

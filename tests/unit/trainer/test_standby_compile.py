@@ -173,3 +173,25 @@ def test_whatever_a_standby_prepared_its_startup_figures_fit_the_event(
     Startup(first_step_done=1.7e9, **figures)
     assert all(k.startswith("standby_") and isinstance(v, float) for k, v in figures.items())
     assert len(figures) <= len(prepared)
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ("{not json", "failed: "),
+    ('{"trainer": {"parallelism": {"standby_nccl": false}}}', "off (trainer.parallelism"),
+    ('{"trainer": {"parallelism": {"backend": "gloo"}}}', "does not use NCCL"),
+    (None, "no job config"),
+])
+def test_a_standby_that_does_not_set_nccl_up_ahead_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str | None,
+        words: str) -> None:
+    """NCCL ahead is best effort: a damaged config, the option off, or another backend
+    leave a reason and no exception (this CPU build has no NCCL at all)."""
+    from trainer import standby
+
+    if config is None:
+        monkeypatch.delenv("ORCH_CONFIG", raising=False)
+    else:
+        path = tmp_path / "config.json"
+        path.write_text(config)
+        monkeypatch.setenv("ORCH_CONFIG", str(path))
+    assert words in standby.nccl_ahead()["nccl_ahead"]
