@@ -1,5 +1,5 @@
 import sys
 
-from trainer.main import main
+from trainer.main import cli
 
-sys.exit(main())
+sys.exit(cli())

@@ -126,5 +126,15 @@ def load_compile_cache(startup: dict) -> None:
         startup["compile_cache_loaded"] = time.time()
 
 
+def cli() -> int:
+    """``python -m trainer``: :func:`main`, then its released process groups freed before
+    the interpreter's finalization (``orchestrator.worker.exitgc``)."""
+    from orchestrator.worker.exitgc import collect_released_groups
+
+    code = main()
+    collect_released_groups()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -126,8 +126,11 @@ def install(env: MutableMapping[str, str] | None = None) -> bool:
         return False  # a child of the rank: the rank itself reports
     env[ec.HOOK_PID] = str(os.getpid())
     import orchestrator.worker as ow
+    from orchestrator.worker import exitgc
 
     worker = ow.start_from_hook(env)
+    # atexit runs last-registered first: the last beat, then the process groups freed.
+    exitgc.register()
     atexit.register(ow.shutdown)
     _register_torch_hooks(worker, ec.GenerationEnv.from_env(env).collective_timeout_s)
     if _framework_hooks_wanted(agent.config_path):

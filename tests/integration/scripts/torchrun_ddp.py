@@ -17,6 +17,7 @@ Environment (all optional):
   SAVE_S      ... to a slow disk: the save takes this many seconds (default 0)
 """
 
+import gc
 import io
 import json
 import os
@@ -109,3 +110,8 @@ def every(step: int, name: str) -> bool:
 
 if __name__ == "__main__":
     record(main)()
+    # Free the DDP model and its gloo group now: left to the interpreter's finalization, a
+    # gloo worker that still holds the last backward's work releases a Python object there
+    # and the process aborts at exit (torch 2.13; "terminate called without an active
+    # exception").
+    gc.collect()
