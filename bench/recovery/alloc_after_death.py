@@ -1,0 +1,280 @@
+"""What a replacement's first GPU allocation waits for after a rank's death.
+
+In an in-place recovery on 2 x H200 the replacement's model allocation on the dead rank's
+GPU took 0.5-0.74 s after a SIGKILL and 0.02 s after a hang (the rank killed long before),
+and it ended within 20 ms of the survivor's NCCL abort each time. This script separates
+the candidates, two ranks on two GPUs over NCCL and a warm standby on rank 1's GPU, with no
+orchestrator:
+
+- each rank holds ``--hold-gb`` of GPU memory and runs steps of matrix products and an
+  all-reduce; rank 1 (the victim) may also page-lock ``--pin-gb`` of shared memory
+  (``cudaHostRegister`` of a ``/dev/shm`` mapping, as the memory tier's slots are);
+- the standby has its CUDA context and waits;
+- the parent SIGKILLs rank 1, waits until ``/proc/<pid>/stat`` says it is exiting, then
+  tells the standby to allocate ``--alloc-gb`` on the GPU and the survivor to abort its
+  group after ``--abort-delay`` seconds;
+- it records, from the kill: the survivor's abort start and end, the standby's allocation
+  end, and when the victim was reaped (its teardown done).
+
+If the allocation ends with the survivor's abort whatever the delay, the survivor's hold on
+the dead rank's memory (NCCL's imported buffers) is what it waits for; if it ends with the
+reap, the dead process's own teardown.
+
+Usage: ``python bench/recovery/alloc_after_death.py --pin-gb 0 14 --abort-delay 0 3``
+(``--out FILE`` writes the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import mmap
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SHM_DIR = os.environ.get("ALLOC_SHM_DIR", "/dev/shm")
+
+
+def _exiting(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X", "x")
+
+
+def _pin(gb: float, tag: str, huge: bool = False) -> tuple[float, list]:
+    """Page-lock ``gb`` of a fresh /dev/shm file in two halves (the memory tier's two
+    slots), asking for transparent huge pages first with ``huge``; the seconds it took and
+    what keeps the mappings alive."""
+    keep: list = []
+    t0 = time.perf_counter()
+    for half in range(2):
+        size = int(gb * (1 << 30) / 2) // mmap.PAGESIZE * mmap.PAGESIZE
+        if size <= 0:
+            continue
+        path = f"{SHM_DIR}/alloc-after-death-{tag}-{half}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        os.close(fd)
+        os.unlink(path)
+        if huge:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        anchor = ctypes.c_char.from_buffer(buf)
+        code = torch.cuda.cudart().cudaHostRegister(ctypes.addressof(anchor), size, 0)
+        if int(code) != 0:
+            raise RuntimeError(f"cudaHostRegister: {code}")
+        keep += [buf, anchor]
+    return time.perf_counter() - t0, keep
+
+
+def _rank(rank: int, port: int, hold_gb: float, pin_gb: float, tag: str, conn, ready,
+          order) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", TORCH_NCCL_ASYNC_ERROR_HANDLING="2")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=dev)
+    held = torch.empty(int(hold_gb * (1 << 30)), dtype=torch.uint8, device=dev) \
+        if hold_gb > 0 else None
+    pin_s, keep = _pin(pin_gb, tag) if rank == 1 and pin_gb > 0 else (0.0, [])
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    grad = torch.randn(64 << 20, device=dev)
+    marks: dict[str, float] = {"pin_s": pin_s}
+
+    def order_thread() -> None:
+        delay = order.recv()
+        time.sleep(delay)
+        marks["abort_start"] = time.time()
+        dist.distributed_c10d._get_default_group().abort()
+        marks["abort_end"] = time.time()
+        conn.send(marks)
+
+    if rank == 0:
+        threading.Thread(target=order_thread, daemon=True).start()
+    step = 0
+    try:
+        while True:
+            for _ in range(20):
+                a = (a @ a).tanh_()
+            dist.all_reduce(grad)
+            float(grad.norm())
+            step += 1
+            if step == 5:
+                ready.send(time.time())
+    except Exception as exc:  # noqa: BLE001 - the abort's error ends the loop
+        marks["error"] = type(exc).__name__
+    del held, keep
+    time.sleep(3600)
+
+
+def _solo(hold_gb: float, pin_gb: float, huge: bool, tag: str, ready) -> None:
+    """One GPU: the victim alone, holding GPU memory and page-locked shared memory."""
+    torch.cuda.set_device(0)
+    held = torch.empty(int(hold_gb * (1 << 30)), dtype=torch.uint8, device="cuda:0")
+    pin_s, keep = _pin(pin_gb, tag, huge) if pin_gb > 0 else (0.0, [])
+    a = torch.randn(4096, 4096, device="cuda:0", dtype=torch.bfloat16)
+    ready.send(pin_s)
+    while True:
+        for _ in range(20):
+            a = (a @ a).tanh_()
+        float(a.norm())
+    del held, keep
+
+
+def _standby(device: int, alloc_gb: float, conn, ready) -> None:
+    torch.cuda.set_device(device)
+    torch.ones(1, device=f"cuda:{device}").sum().item()  # the context, as a warm standby has
+    ready.send(time.time())
+    conn.recv()
+    t0 = time.time()
+    x = torch.empty(int(alloc_gb * (1 << 30)), dtype=torch.uint8, device=f"cuda:{device}")
+    t1 = time.time()
+    x.fill_(1)
+    torch.cuda.synchronize(device)
+    conn.send({"alloc_start": t0, "alloc_end": t1, "fill_end": time.time()})
+    time.sleep(3600)
+
+
+def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int) -> dict:
+    ctx = mp.get_context("spawn")
+    surv_r, surv_w = ctx.Pipe()
+    ready_r, ready_w = ctx.Pipe(duplex=False)
+    order_r, order_w = ctx.Pipe(duplex=False)
+    sb_parent, sb_child = ctx.Pipe()
+    tag = f"{os.getpid()}-{port}"
+    procs = [ctx.Process(target=_rank, args=(r, port, hold_gb, pin_gb, tag, surv_w, ready_w,
+                                             order_r)) for r in range(2)]
+    standby = ctx.Process(target=_standby, args=(1, alloc_gb, sb_child, ready_w))
+    for p in [*procs, standby]:
+        p.start()
+    for _ in range(3):
+        ready_r.recv()
+    time.sleep(0.5)
+    victim = procs[1]
+    t_kill = time.time()
+    os.kill(victim.pid, signal.SIGKILL)
+    while not _exiting(victim.pid):
+        time.sleep(0.001)
+    t_seen = time.time()
+    sb_parent.send("go")
+    order_w.send(delay)
+    victim.join()
+    t_reaped = time.time()
+    marks = surv_r.recv() if surv_r.poll(60) else {}
+    got = sb_parent.recv() if sb_parent.poll(60) else {}
+    for p in [*procs, standby]:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t_kill, 3)
+
+    return {"hold_gb": hold_gb, "pin_gb": pin_gb, "abort_delay_s": delay,
+            "alloc_gb": alloc_gb, "cumem": os.environ.get("NCCL_CUMEM_ENABLE", "default"),
+            "seen_s": rel(t_seen), "reaped_s": rel(t_reaped),
+            "abort_start_s": rel(marks.get("abort_start")),
+            "abort_end_s": rel(marks.get("abort_end")),
+            "alloc_start_s": rel(got.get("alloc_start")),
+            "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end"))}
+
+
+def one_solo(hold_gb: float, pin_gb: float, huge: bool, alloc_gb: float) -> dict:
+    """One GPU: kill a process holding GPU and page-locked memory; a standby allocates."""
+    ctx = mp.get_context("spawn")
+    ready_r, ready_w = ctx.Pipe(duplex=False)
+    sb_parent, sb_child = ctx.Pipe()
+    victim = ctx.Process(target=_solo, args=(hold_gb, pin_gb, huge, f"{os.getpid()}", ready_w))
+    standby = ctx.Process(target=_standby, args=(0, alloc_gb, sb_child, ready_w))
+    victim.start()
+    pin_s = ready_r.recv()
+    standby.start()
+    ready_r.recv()
+    time.sleep(1.0)
+    t_kill = time.time()
+    os.kill(victim.pid, signal.SIGKILL)
+    while not _exiting(victim.pid):
+        time.sleep(0.001)
+    t_seen = time.time()
+    sb_parent.send("go")
+    victim.join()
+    t_reaped = time.time()
+    got = sb_parent.recv() if sb_parent.poll(60) else {}
+    standby.kill()
+    standby.join()
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t_kill, 3)
+
+    return {"gpus": 1, "shm_dir": os.environ.get("ALLOC_SHM_DIR", "/dev/shm"),
+            "hold_gb": hold_gb, "pin_gb": pin_gb, "huge": huge,
+            "pin_s": round(pin_s, 3), "alloc_gb": alloc_gb, "seen_s": rel(t_seen),
+            "reaped_s": rel(t_reaped), "alloc_start_s": rel(got.get("alloc_start")),
+            "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end"))}
+
+
+def _thp() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hold-gb", type=float, default=30.0)
+    ap.add_argument("--pin-gb", type=float, nargs="+", default=[0.0, 14.0])
+    ap.add_argument("--abort-delay", type=float, nargs="+", default=[0.0, 3.0])
+    ap.add_argument("--alloc-gb", type=float, default=2.5)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--gpus", type=int, choices=[1, 2], default=2,
+                    help="1: the victim alone and a standby on one GPU (no survivor)")
+    ap.add_argument("--huge", type=int, nargs="+", choices=[0, 1], default=[0],
+                    help="with --gpus 1: madvise(MADV_HUGEPAGE) the shared memory first")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shm-dir", default=None, help="where the page-locked files are made "
+                    "(a tmpfs mounted with huge=always, say; default /dev/shm)")
+    args = ap.parse_args()
+    if args.shm_dir:
+        os.environ["ALLOC_SHM_DIR"] = args.shm_dir  # the spawned children read it
+    runs = []
+    port = 29700
+    if args.gpus == 1:
+        for pin, huge, _ in itertools.product(args.pin_gb, args.huge, range(args.repeat)):
+            r = one_solo(args.hold_gb, pin, bool(huge), args.alloc_gb)
+            print(json.dumps(r), flush=True)
+            runs.append(r)
+    for pin, delay, _ in itertools.product(args.pin_gb, args.abort_delay, range(args.repeat)):
+        if args.gpus == 1:
+            break
+        port += 1
+        r = one(args.hold_gb, pin, delay, args.alloc_gb, port)
+        print(json.dumps(r), flush=True)
+        runs.append(r)
+    result = {"script": "bench/recovery/alloc_after_death.py",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": os.environ.get(
+                  "ORCH_BENCH_COMMIT"), "torch": torch.__version__,
+              "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+              "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+              "shmem_thp": _thp(), "runs": runs}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
