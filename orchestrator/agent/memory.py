@@ -10,6 +10,12 @@ partner's copy or from the durable tier.
 
 Slot files are sparse (``ftruncate``): tmpfs gives them pages only as a save writes them,
 so the budget is what a node may use, not what it uses; ``usage`` reports the latter.
+
+Ranks page-lock the slots they copy through (``cudaHostRegister``). On 4 KiB pages that is
+slow both ways, measured on an H200 host with 14 GB locked (``bench/results/
+alloc-after-death-h200-1gpu.json``): 5.0-5.4 s to lock, and 1.8-2.4 s for a killed rank's
+process to be released, against 2.0-2.1 s and 0.31-0.32 s on a tmpfs mounted with
+``huge=always``. :func:`tier_pages` says which pages a root gives, so the agent can tell.
 """
 
 from __future__ import annotations
@@ -17,9 +23,83 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 SLOTS = ("a", "b")
+# tmpfs ``huge=`` values that give the slots 2 MiB pages (``advise``: ranks madvise their
+# mappings, ``trainer.checkpoint.memory_slots``).
+_HUGE_MOUNT = ("always", "within_size", "advise")
+_MAX_MOUNTINFO = 1 << 22
+
+
+@dataclass(frozen=True)
+class TierPages:
+    """Which pages a memory-tier root gives its slot files, and why."""
+
+    huge: bool
+    why: str
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field (octal escapes: ``\\040`` for a space)."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
+            try:
+                out.append(chr(int(field[i + 1:i + 4], 8)))
+                i += 4
+                continue
+            except ValueError:
+                pass
+        out.append(field[i])
+        i += 1
+    return "".join(out)
+
+
+def tier_pages(root: Path, mountinfo: str, shmem_enabled: str) -> TierPages:
+    """Which pages files under ``root`` get: the mount holding it (the longest mount point
+    in ``mountinfo``, ``/proc/self/mountinfo``'s text), its file system and ``huge=``
+    option, and the kernel's ``shmem_enabled`` (whose ``force`` and ``deny`` override every
+    tmpfs mount). Lines that do not parse are skipped."""
+    path = os.path.realpath(str(root))
+    best: tuple[str, str, str] | None = None  # mount point, fs type, super options
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(rest) < 2:
+            continue
+        point = os.path.normpath(_unescape(fields[4]))
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, rest[0], rest[2] if len(rest) > 2 else "")
+    mode = next((w.strip("[]") for w in shmem_enabled.split() if w.startswith("[")), "")
+    if best is None:
+        return TierPages(False, f"no mount found for {path}")
+    point, fstype, options = best
+    if fstype != "tmpfs":
+        return TierPages(False, f"{point} is {fstype[:40]}, not a tmpfs")
+    if mode == "deny":
+        return TierPages(False, "shmem_enabled is deny")
+    if mode == "force":
+        return TierPages(True, "shmem_enabled is force")
+    huge = next((o.split("=", 1)[1] for o in options.split(",") if o.startswith("huge=")),
+                "never")
+    if huge in _HUGE_MOUNT:
+        return TierPages(True, f"tmpfs {point} huge={huge}")
+    return TierPages(False, f"tmpfs {point} huge={huge[:20]}: 4 KiB pages")
+
+
+def read_tier_pages(root: Path) -> TierPages:
+    """:func:`tier_pages` for ``root`` on this host."""
+    texts = []
+    for name in ("/proc/self/mountinfo", "/sys/kernel/mm/transparent_hugepage/shmem_enabled"):
+        try:
+            with open(name, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read(_MAX_MOUNTINFO))
+        except OSError:
+            texts.append("")
+    return tier_pages(root, texts[0], texts[1])
 
 
 def node_dir(root: Path, run_dir: Path, node_id: str) -> Path:
