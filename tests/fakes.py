@@ -97,7 +97,7 @@ def make_intake(ctx: JobContext, nodes: NodeRegistry,
 def begin_generation(intake: Intake, number: int, world_size: int) -> Generation:
     """The ``Generation`` of a launch of ``number``, wired and begun as the supervisor's
     ``GenerationParts`` does it, for tests that drive an ``Intake`` without the loop."""
-    parts = GenerationParts(intake.ctx, intake.nodes, intake, intake.stability,
+    parts = GenerationParts(intake.ctx, intake.nodes, intake.feed(), intake.stability,
                             asyncio.Event(), lambda state: None,
                             chaos=ChaosDesk(intake.ctx, intake.nodes),
                             superseded=SupersededNodes(intake.ctx, intake.nodes))

@@ -118,7 +118,7 @@ class Supervisor:
         self.intake = Intake(self.ctx, self.nodes, self.stability, self.health.on_report,
                              note_superseded=self.superseded.note,
                              chaos_fired=self.chaos.mark_fired)
-        self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
+        self.parts = GenerationParts(self.ctx, self.nodes, self.intake.feed(), self.stability,
                                      self.stop_requested, self.transition, chaos=self.chaos,
                                      superseded=self.superseded)
         self.profiles = ProfileDesk(self.ctx, self.nodes, self.intake)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -52,6 +53,21 @@ from orchestrator.supervisor.generation.stragglers import StragglerWatch
 
 class UnknownNode(LookupError):
     """A heartbeat or event from a node that has not registered (with this supervisor)."""
+
+
+@dataclass(frozen=True)
+class IntakeFeed:
+    """What a generation's launch, observation and stop (``generation.parts``) take from
+    the intake, and no more: the queue they drain, the progress a launch's ``Generation``
+    reads, and the calls that tell the intake which launch its news is for, mark silent
+    nodes lost, journal a rank's worker event and judge the stragglers."""
+
+    queue: asyncio.Queue[Observation]
+    progress: ProgressTracker
+    begin_generation: Callable[..., None]
+    mark_silent_nodes_lost: Callable[[], list[NodeRecord]]
+    worker_event: Callable[[str, WorkerEvent], None]
+    stragglers_tick: Callable[[int], object]
 
 
 class Intake:
@@ -178,6 +194,11 @@ class Intake:
         return await self.nodes.wait_assignment(node_id, after, timeout)
 
     # -- generations -------------------------------------------------------------------------
+    def feed(self) -> IntakeFeed:
+        """The part of the intake a generation's parts use (:class:`IntakeFeed`)."""
+        return IntakeFeed(self.queue, self.progress, self.begin_generation,
+                          self.mark_silent_nodes_lost, self.worker_event, self.stragglers.tick)
+
     def begin_generation(self, generation: int, world_size: int, adopting: bool = False,
                          live_ranks: Callable[[str, list[int]], None] | None = None) -> None:
         """``generation`` was launched (or adopted): the queue's news is for it from now on.

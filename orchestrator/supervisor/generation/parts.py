@@ -29,7 +29,7 @@ from orchestrator.supervisor.context import JobContext
 from orchestrator.supervisor.generation.hangs import TrainingTimeout, collective_timeout_s
 from orchestrator.supervisor.generation.judge import Generation, Observation
 from orchestrator.supervisor.generation.outcome import Outcome
-from orchestrator.supervisor.intake import Intake
+from orchestrator.supervisor.intake import IntakeFeed
 from orchestrator.supervisor.nodes import NodeRegistry
 from orchestrator.supervisor.placement import Placement
 from orchestrator.supervisor.stability import StabilityHook
@@ -61,10 +61,11 @@ class GenerationParts:
     ``stop_requested`` ends an observation early; ``transition`` is the supervisor's one way
     to move the job (called only for LAUNCHING -> RUNNING, which happens mid-observation);
     ``chaos`` gives each launch its fault-injection plan and sends interval kills;
-    ``superseded`` tells nodes back with an old generation's ranks to stop them.
+    ``superseded`` tells nodes back with an old generation's ranks to stop them;
+    ``intake`` is the part of the message intake they use (``Intake.feed``).
     """
 
-    def __init__(self, ctx: JobContext, nodes: NodeRegistry, intake: Intake,
+    def __init__(self, ctx: JobContext, nodes: NodeRegistry, intake: IntakeFeed,
                  stability: StabilityHook, stop_requested: asyncio.Event,
                  transition: Callable[[JobState], None], *, chaos: ChaosDesk,
                  superseded: SupersededNodes) -> None:
@@ -109,7 +110,7 @@ class GenerationParts:
                           progress=intake.progress, training_timeout=self.training_timeout,
                           divergence=self.stability.divergence,
                           mark_lost=intake.mark_silent_nodes_lost,
-                          on_worker=intake.worker_event, stragglers=intake.stragglers.tick)
+                          on_worker=intake.worker_event, stragglers=intake.stragglers_tick)
 
     # -- launch ------------------------------------------------------------------------------
     async def launch(self, generation: int, placement: Placement,

@@ -122,7 +122,7 @@ def test_a_supervisor_adopting_a_launch_counts_the_ranks_started_before_it(
     launch.ctx.recorder.view.state = JobState.LAUNCHING
     launch.ctx.recorder.view.launches[-1].update(
         world_size=4, assignments={f"n{i}": {"generation": 2} for i in range(2)})
-    parts = GenerationParts(launch.ctx, launch.nodes, launch.intake, launch.intake.stability,
+    parts = GenerationParts(launch.ctx, launch.nodes, launch.intake.feed(), launch.intake.stability,
                             asyncio.Event(), lambda state: None,
                             chaos=ChaosDesk(launch.ctx, launch.nodes),
                             superseded=SupersededNodes(launch.ctx, launch.nodes))

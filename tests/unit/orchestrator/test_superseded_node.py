@@ -83,7 +83,7 @@ def test_the_generation_env_carries_the_runs_lineage(tmp_path: Path) -> None:
     _launch(ctx, nodes, 1, {"n0": 0, "n1": 1}, None)
     ctx.record(ev.CheckpointCommitted(step=30, tier="local", path="/c/step-00000030",
                                       generation=1, rank=0))
-    parts = GenerationParts(ctx, nodes, intake, StabilityHook(ctx), asyncio.Event(),
+    parts = GenerationParts(ctx, nodes, intake.feed(), StabilityHook(ctx), asyncio.Event(),
                             lambda s: None, chaos=ChaosDesk(ctx, nodes), superseded=superseded)
     env = ec.GenerationEnv.from_env(parts.generation_env(2, resume_max_step=None))
     assert env.generation == 2 and env.lineage == [(1, -1), (2, 30)]

@@ -46,7 +46,7 @@ class Parts:
                              chaos_fired=self.chaos.mark_fired)
         self.stop = asyncio.Event()
         self.moves: list[JobState] = []
-        self.parts = GenerationParts(self.ctx, self.nodes, self.intake, self.stability,
+        self.parts = GenerationParts(self.ctx, self.nodes, self.intake.feed(), self.stability,
                                      self.stop, self.moves.append, chaos=self.chaos,
                                      superseded=self.superseded)
         for i in range(nodes):
