@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SHM_DIR = os.environ.get("ALLOC_SHM_DIR", "/dev/shm")
+COUNT = [1]  # --alloc-count
 
 
 def _exiting(pid: int) -> bool:
@@ -133,17 +134,32 @@ def _solo(hold_gb: float, pin_gb: float, huge: bool, tag: str, ready) -> None:
     del held, keep
 
 
-def _standby(device: int, alloc_gb: float, conn, ready) -> None:
+def _allocate(device: int, alloc_gb: float, count: int) -> list:
+    """``alloc_gb`` on ``device`` in ``count`` tensors (a model's parameters are hundreds
+    of them, each its own allocation of the caching allocator)."""
+    each = max(1, int(alloc_gb * (1 << 30)) // count)
+    return [torch.empty(each, dtype=torch.uint8, device=f"cuda:{device}")
+            for _ in range(count)]
+
+
+def _standby(device: int, alloc_gb: float, count: int, conn, ready) -> None:
     torch.cuda.set_device(device)
     torch.ones(1, device=f"cuda:{device}").sum().item()  # the context, as a warm standby has
+    t = time.perf_counter()
+    before = _allocate(device, alloc_gb, count)  # the same, with nobody dying
+    before_s = time.perf_counter() - t
+    del before
+    torch.cuda.empty_cache()
     ready.send(time.time())
     conn.recv()
     t0 = time.time()
-    x = torch.empty(int(alloc_gb * (1 << 30)), dtype=torch.uint8, device=f"cuda:{device}")
+    xs = _allocate(device, alloc_gb, count)
     t1 = time.time()
-    x.fill_(1)
+    for x in xs:
+        x.fill_(1)
     torch.cuda.synchronize(device)
-    conn.send({"alloc_start": t0, "alloc_end": t1, "fill_end": time.time()})
+    conn.send({"alloc_start": t0, "alloc_end": t1, "fill_end": time.time(),
+               "alloc_alone_s": before_s})
     time.sleep(3600)
 
 
@@ -156,7 +172,7 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
     tag = f"{os.getpid()}-{port}"
     procs = [ctx.Process(target=_rank, args=(r, port, hold_gb, pin_gb, tag, surv_w, ready_w,
                                              order_r)) for r in range(2)]
-    standby = ctx.Process(target=_standby, args=(1, alloc_gb, sb_child, ready_w))
+    standby = ctx.Process(target=_standby, args=(1, alloc_gb, COUNT[0], sb_child, ready_w))
     for p in [*procs, standby]:
         p.start()
     for _ in range(3):
@@ -188,7 +204,8 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
             "abort_start_s": rel(marks.get("abort_start")),
             "abort_end_s": rel(marks.get("abort_end")),
             "alloc_start_s": rel(got.get("alloc_start")),
-            "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end"))}
+            "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end")),
+            "alloc_count": COUNT[0], "alloc_alone_s": got.get("alloc_alone_s")}
 
 
 def one_solo(hold_gb: float, pin_gb: float, huge: bool, alloc_gb: float) -> dict:
@@ -197,7 +214,7 @@ def one_solo(hold_gb: float, pin_gb: float, huge: bool, alloc_gb: float) -> dict
     ready_r, ready_w = ctx.Pipe(duplex=False)
     sb_parent, sb_child = ctx.Pipe()
     victim = ctx.Process(target=_solo, args=(hold_gb, pin_gb, huge, f"{os.getpid()}", ready_w))
-    standby = ctx.Process(target=_standby, args=(0, alloc_gb, sb_child, ready_w))
+    standby = ctx.Process(target=_standby, args=(0, alloc_gb, COUNT[0], sb_child, ready_w))
     victim.start()
     pin_s = ready_r.recv()
     standby.start()
@@ -222,7 +239,8 @@ def one_solo(hold_gb: float, pin_gb: float, huge: bool, alloc_gb: float) -> dict
             "hold_gb": hold_gb, "pin_gb": pin_gb, "huge": huge,
             "pin_s": round(pin_s, 3), "alloc_gb": alloc_gb, "seen_s": rel(t_seen),
             "reaped_s": rel(t_reaped), "alloc_start_s": rel(got.get("alloc_start")),
-            "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end"))}
+            "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end")),
+            "alloc_count": COUNT[0], "alloc_alone_s": got.get("alloc_alone_s")}
 
 
 def _thp() -> str:
@@ -239,6 +257,8 @@ def main() -> int:
     ap.add_argument("--pin-gb", type=float, nargs="+", default=[0.0, 14.0])
     ap.add_argument("--abort-delay", type=float, nargs="+", default=[0.0, 3.0])
     ap.add_argument("--alloc-gb", type=float, default=2.5)
+    ap.add_argument("--alloc-count", type=int, default=1,
+                    help="in this many tensors (the 1.14B model's shard: about 300)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--gpus", type=int, choices=[1, 2], default=2,
                     help="1: the victim alone and a standby on one GPU (no survivor)")
@@ -250,6 +270,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.shm_dir:
         os.environ["ALLOC_SHM_DIR"] = args.shm_dir  # the spawned children read it
+    COUNT[0] = max(1, args.alloc_count)
     runs = []
     port = 29700
     if args.gpus == 1:
