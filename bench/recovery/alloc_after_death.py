@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 
 SHM_DIR = os.environ.get("ALLOC_SHM_DIR", "/dev/shm")
 COUNT = [1]  # --alloc-count
+MIX = [int(os.environ.get("ALLOC_MIX", "0"))]  # --mix (read again by spawned children)
 
 
 def _exiting(pid: int) -> bool:
@@ -80,6 +81,18 @@ def _pin(gb: float, tag: str, huge: bool = False) -> tuple[float, list]:
     return time.perf_counter() - t0, keep
 
 
+def _mixed(grad: torch.Tensor, dev: torch.device) -> None:
+    """The collectives of an FSDP2 step besides the gradient's all-reduce: all-gathers and
+    reduce-scatters of small, middle and large sizes (NCCL picks its LL, LL128 and Simple
+    protocols by size, each with buffers of its own), and a small all-reduce."""
+    for numel in (16 << 10, 1 << 20, 16 << 20):
+        shard = grad[:numel]
+        out = torch.empty(2 * numel, device=dev)
+        dist.all_gather_into_tensor(out, shard)
+        dist.reduce_scatter_tensor(shard, out)
+    dist.all_reduce(grad[:256])
+
+
 def _rank(rank: int, port: int, hold_gb: float, pin_gb: float, tag: str, conn, ready,
           order) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -110,6 +123,8 @@ def _rank(rank: int, port: int, hold_gb: float, pin_gb: float, tag: str, conn, r
             for _ in range(20):
                 a = (a @ a).tanh_()
             dist.all_reduce(grad)
+            if MIX[0]:
+                _mixed(grad, dev)
             float(grad.norm())
             step += 1
             if step == 5:
@@ -264,6 +279,8 @@ def main() -> int:
                     help="1: the victim alone and a standby on one GPU (no survivor)")
     ap.add_argument("--huge", type=int, nargs="+", choices=[0, 1], default=[0],
                     help="with --gpus 1: madvise(MADV_HUGEPAGE) the shared memory first")
+    ap.add_argument("--mix", type=int, nargs="+", choices=[0, 1], default=[0],
+                    help="1: each step also runs an FSDP2-like mix of collectives")
     ap.add_argument("--out", default=None)
     ap.add_argument("--shm-dir", default=None, help="where the page-locked files are made "
                     "(a tmpfs mounted with huge=always, say; default /dev/shm)")
@@ -278,11 +295,14 @@ def main() -> int:
             r = one_solo(args.hold_gb, pin, bool(huge), args.alloc_gb)
             print(json.dumps(r), flush=True)
             runs.append(r)
-    for pin, delay, _ in itertools.product(args.pin_gb, args.abort_delay, range(args.repeat)):
+    for mix, pin, delay, _ in itertools.product(args.mix, args.pin_gb, args.abort_delay,
+                                                range(args.repeat)):
         if args.gpus == 1:
             break
         port += 1
-        r = one(args.hold_gb, pin, delay, args.alloc_gb, port)
+        MIX[0] = mix
+        os.environ["ALLOC_MIX"] = str(mix)  # the spawned ranks read it
+        r = {**one(args.hold_gb, pin, delay, args.alloc_gb, port), "mix": mix}
         print(json.dumps(r), flush=True)
         runs.append(r)
     result = {"script": "bench/recovery/alloc_after_death.py",
