@@ -35,7 +35,7 @@ def _read(path: str) -> dict[str, Any]:
         from orchestrator.contracts import readback
 
         return readback.read_object(Path(path).expanduser(), readback.SMALL)
-    from orchestrator.config.loader import read_yaml
+    from orchestrator.contracts.configfile import read_yaml
 
     return read_yaml(path)
 

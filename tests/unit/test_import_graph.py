@@ -102,3 +102,19 @@ def test_no_collaborator_imports_the_supervisor() -> None:
     importers = sorted(m for m, edges in graph.items() if "orchestrator.supervisor.core" in edges)
     # Only the CLI builds a supervisor; nothing below it reaches back up.
     assert all(m.startswith("orchestrator.cli") for m in importers), importers
+
+
+# What the training side may import of the orchestrator: the worker SDK and the contracts
+# every process shares (the env, protocol, run-dir names, the config file's reader...).
+TRAINER_MAY_IMPORT = ("orchestrator.contracts", "orchestrator.worker")
+
+
+def test_the_trainer_imports_only_the_worker_sdk_and_the_contracts() -> None:
+    graph = _graph()
+    crossing = sorted(
+        (name, edge) for name, edges in graph.items()
+        if name.split(".")[0] in ("trainer", "stability")
+        for edge in edges
+        if edge.split(".")[0] == "orchestrator" and edge != "orchestrator"
+        and not any(edge == p or edge.startswith(p + ".") for p in TRAINER_MAY_IMPORT))
+    assert not crossing, crossing
