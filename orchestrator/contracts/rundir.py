@@ -146,9 +146,6 @@ class RunDir:
     def checkpoint_root(self, url: str | None) -> str:
         return url if url else str(self.root / "checkpoints")
 
-    def rank_log(self, rank: int) -> Path:
-        return self.logs / f"rank-{rank:05d}.log"
-
     # -- small files ---------------------------------------------------------------------
     def ensure_token(self, preset: str | None = None) -> str:
         """The job's API token, created 0600 on first use. Never logged: it is registered

@@ -30,15 +30,6 @@ class Decision:
     reason: str
 
 
-class GenerationFailed(Exception):
-    """A generation of the job stopped for a cause other than completion."""
-
-    def __init__(self, cause: Cause, failure: dict) -> None:
-        super().__init__(f"{cause.value}: {failure.get('message', '')}")
-        self.cause = cause
-        self.failure = failure
-
-
 class OperatorStop(Exception):
     """The operator asked the job to stop."""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from orchestrator.contracts import events as ev
 from orchestrator.contracts.protocol import RankExit, WorkerEvent
@@ -40,7 +40,9 @@ from orchestrator.supervisor.nodes import NodeRecord, NodeRegistry
 
 @dataclass(frozen=True)
 class Observation:
-    kind: str  # exit | exits (a list of one node's RankExit) | started | stopped | worker
+    # exits: a list of one node's RankExit (what arrived together); started: RanksStarted;
+    # stopped: RanksStopped; worker: a rank's WorkerEvent.
+    kind: Literal["exits", "started", "stopped", "worker"]
     node_id: str
     payload: Any
 
@@ -181,19 +183,11 @@ class Generation:
             return None
         if msg.generation != self.number:
             return None  # a straggler from a generation already handled
-        if obs.kind == "started":
-            self.set_started(obs.node_id, [r.rank for r in msg.ranks])
-            self.ctx.record(ev.RanksStarted(
-                node_id=obs.node_id, generation=self.number,
-                ranks=[ev.RankPid(rank=r.rank, pid=r.pid) for r in msg.ranks]))
-            return None
-        # a rank exit
-        info = self._take_exit(obs.node_id, msg)
-        if info is None:
-            return None
-        self.ctx.record(ev.RankExited(generation=self.number, exit_ts=msg.ts,
-                                      **{k: v for k, v in info.items() if k != "ts"}))
-        return self._exit_outcome(info)
+        self.set_started(obs.node_id, [r.rank for r in msg.ranks])
+        self.ctx.record(ev.RanksStarted(
+            node_id=obs.node_id, generation=self.number,
+            ranks=[ev.RankPid(rank=r.rank, pid=r.pid) for r in msg.ranks]))
+        return None
 
     def _exits(self, node_id: str, msgs: list[RankExit]) -> Outcome | None:
         """A node's exits that arrived together: one ``ranks_exited`` event; the outcome

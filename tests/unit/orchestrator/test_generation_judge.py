@@ -154,13 +154,15 @@ def test_a_failing_exit_is_a_worker_exit_with_the_ranks_facts(launch: Launch) ->
     assert failure["message"] == "rank 3 on node n1 was killed by SIGKILL: OOM"
 
 
-def test_a_single_exit_is_one_rank_exited_event(launch: Launch) -> None:
-    outcome = launch.gen.judge([Observation("exit", "n0", exit_of(2, 1, code=3))])
+def test_a_nodes_single_exit_is_one_ranks_exited_event(launch: Launch) -> None:
+    outcome = launch.gen.judge([Observation("exits", "n0", [exit_of(2, 1, code=3)])])
     assert outcome is not None and outcome.cause is Cause.WORKER_EXIT
     assert outcome.detail["exit_code"] == 3 and outcome.detail["rank"] == 1
-    (event,) = launch.events("rank_exited")
-    assert (event["generation"], event["rank"], event["exit_code"], event["exit_ts"]) == \
+    (event,) = launch.events("ranks_exited")
+    (one,) = event["exits"]
+    assert (event["generation"], one["rank"], one["exit_code"], one["exit_ts"]) == \
         (2, 1, 3, 6.0)
+    assert launch.events("rank_exited") == []
 
 
 def test_every_rank_exiting_cleanly_completes_the_generation(launch: Launch) -> None:
@@ -176,13 +178,13 @@ def test_news_of_another_generation_is_ignored(launch: Launch) -> None:
     gen = launch.gen
     stale = [*launch.send("n0", started(1, 0)),
              *launch.send("n1", exit_of(1, 2, code=1), exit_of(1, 3, code=1)),
-             Observation("exit", "n0", exit_of(1, 0, code=1))]
+             Observation("exits", "n0", [exit_of(1, 0, code=1)])]
     assert gen.judge(stale) is None
     assert gen.started == {} and gen.exits == {} and not gen.all_started()
     assert launch.events("ranks_started") == [] and launch.events("ranks_exited") == []
     assert launch.events("rank_exited") == []
     # A rank outside the world is not this generation's either.
-    assert gen.judge([Observation("exit", "n1", exit_of(2, 4, code=1))]) is None
+    assert gen.judge([Observation("exits", "n1", [exit_of(2, 4, code=1)])]) is None
     assert gen.exits == {}
 
 

@@ -108,8 +108,8 @@ def started(node: str, rank: int) -> Observation:
 
 def exited(node: str, rank: int, code: int | None = 0, signal: str | None = None,
            ts: float = 1.0) -> Observation:
-    return Observation("exit", node, RankExit(generation=1, rank=rank, exit_code=code,
-                                              signal=signal, ts=ts, log_tail=["last"]))
+    return Observation("exits", node, [RankExit(generation=1, rank=rank, exit_code=code,
+                                                signal=signal, ts=ts, log_tail=["last"])])
 
 
 def test_clean_exits_of_every_rank_complete_the_generation(p: Parts) -> None:
