@@ -45,7 +45,10 @@ def prepare(local_rank: int) -> None:
         torch.cuda.init()
         torch.empty(1, device="cuda")  # the context and the allocator, not the model
         PREPARED["device"] = f"cuda:{torch.cuda.current_device()}"
-        PREPARED.update(nccl_ahead())
+    # The job's settings, read once for what is done ahead with them.
+    job = job_settings() if torch.cuda.is_available() else None
+    if job is not None:
+        PREPARED.update(nccl_ahead(*job))
     cache = compile_cache_path(os.environ)
     if cache is not None and cache.is_file():
         PREPARED["compile_cache"] = load_compile_cache(cache)
@@ -62,25 +65,37 @@ def prepare(local_rank: int) -> None:
         # page-locked as their copies are committed, until the hand-off.
         watch_own_slots(Path(memory), rank)
     if compiles:  # whatever happens to it, the rest is prepared
-        PREPARED.update(compile_step_ahead(local_rank))
+        PREPARED.update(compile_step_ahead(local_rank, *(job or job_settings())))
     PREPARED["prepare_s"] = time.time() - t0
 
 
-def nccl_ahead() -> dict[str, Any]:
-    """NCCL set up in this process ahead (``trainer.parallelism.standby_nccl``): a one-rank
-    communicator on the current device, one all-reduce, then shut down. What NCCL does
-    once per process (its network plugin, interfaces and device probes) is then done
-    before the rank this standby becomes meets its peers; nothing stays on the GPU."""
-    import torch
-    import torch.distributed as dist
-
+def job_settings() -> tuple[Any | None, str | None]:
+    """The job's settings from the standby's environment (its config file, read once for
+    every step done ahead), or None and why not."""
     from trainer.settings import load_settings
 
     try:
         config = ec.AgentEnv.from_env(os.environ).config_path
         if not config:
-            return {"nccl_ahead": "no job config in the standby's environment"}
-        cfg = load_settings(config).trainer.parallelism
+            return None, "no job config in the standby's environment"
+        return load_settings(config), None
+    except Exception as exc:  # noqa: BLE001 - best effort: the rank reads its config itself
+        return None, f"failed: {type(exc).__name__}: {exc}"[:300]
+
+
+def nccl_ahead(settings: Any | None, why: str | None) -> dict[str, Any]:
+    """NCCL set up in this process ahead (``trainer.parallelism.standby_nccl``): a one-rank
+    communicator on the current device, one all-reduce, then shut down. What NCCL does
+    once per process (its network plugin, interfaces and device probes) is then done
+    before the rank this standby becomes meets its peers; nothing stays on the GPU.
+    ``settings`` and ``why``: :func:`job_settings`."""
+    import torch
+    import torch.distributed as dist
+
+    if settings is None:
+        return {"nccl_ahead": why or "no job settings"}
+    try:
+        cfg = settings.trainer.parallelism
         if not cfg.standby_nccl:
             return {"nccl_ahead": "off (trainer.parallelism.standby_nccl)"}
         if cfg.backend not in ("auto", "nccl") or not dist.is_nccl_available():
@@ -96,22 +111,22 @@ def nccl_ahead() -> dict[str, Any]:
         return {"nccl_ahead": f"failed: {type(exc).__name__}: {exc}"[:300]}
 
 
-def compile_step_ahead(local_rank: int) -> dict[str, Any]:
+def compile_step_ahead(local_rank: int, settings: Any | None,
+                       why: str | None) -> dict[str, Any]:
     """The job's step compiled ahead on a copy of the model (``trainer.standby_compile``);
-    what it did, or why it did not."""
+    what it did, or why it did not. ``settings`` and ``why``: :func:`job_settings`."""
     from trainer import standby_compile
-    from trainer.settings import load_settings
 
+    if settings is None:
+        return {"compile_ahead": why or "no job settings"}
     try:
-        config = ec.AgentEnv.from_env(os.environ).config_path
         rank = ec.get_int(os.environ, "RANK", None, minimum=0)
         world = ec.get_int(os.environ, "WORLD_SIZE", None, minimum=1)
-        if not config or rank is None or world is None:
-            return {"compile_ahead": "no job config or rank in the standby's environment"}
-        settings = load_settings(config)
-        why = standby_compile.why_not(settings)
-        if why is not None:
-            return {"compile_ahead": why}
+        if rank is None or world is None:
+            return {"compile_ahead": "no rank or world size in the standby's environment"}
+        not_ahead = standby_compile.why_not(settings)
+        if not_ahead is not None:
+            return {"compile_ahead": not_ahead}
         done = standby_compile.compile_ahead(settings, local_rank, rank, world)
     except Exception as exc:  # noqa: BLE001 - best effort: the rank compiles at its first step
         return {"compile_ahead": f"failed: {type(exc).__name__}: {exc}"[:300]}

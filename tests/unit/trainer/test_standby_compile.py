@@ -102,7 +102,7 @@ def test_the_rank_a_standby_becomes_compiles_nothing_at_its_first_step(tmp_path:
     ("{not json", {"RANK": "0", "WORLD_SIZE": "2"}, "failed: "),
     ('{"trainer": {"parallelism": {"compile": true}}}', {"RANK": "x", "WORLD_SIZE": "2"},
      "failed: "),
-    ('{"trainer": {"parallelism": {"compile": true}}}', {"RANK": "0"}, "no job config or rank"),
+    ('{"trainer": {"parallelism": {"compile": true}}}', {"RANK": "0"}, "no rank or world size"),
     ('{"trainer": {"steps": 50}}', {"RANK": "0", "WORLD_SIZE": "2"}, "does not compile"),
 ])
 def test_a_standby_that_cannot_compile_ahead_says_why_and_goes_on(
@@ -117,7 +117,7 @@ def test_a_standby_that_cannot_compile_ahead_says_why_and_goes_on(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert words in standby.compile_step_ahead(0)["compile_ahead"]
+    assert words in standby.compile_step_ahead(0, *standby.job_settings())["compile_ahead"]
 
 
 def test_what_cannot_be_compiled_ahead_says_why(tmp_path: Path) -> None:
@@ -194,4 +194,4 @@ def test_a_standby_that_does_not_set_nccl_up_ahead_says_why(
         path = tmp_path / "config.json"
         path.write_text(config)
         monkeypatch.setenv("ORCH_CONFIG", str(path))
-    assert words in standby.nccl_ahead()["nccl_ahead"]
+    assert words in standby.nccl_ahead(*standby.job_settings())["nccl_ahead"]
