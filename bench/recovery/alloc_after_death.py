@@ -55,6 +55,20 @@ def _exiting(pid: int) -> bool:
     return state in ("Z", "X", "x")
 
 
+def _kill(pid: int) -> tuple[float, float]:
+    """SIGKILL ``pid``; when it was sent, and when ``/proc`` said the process was exiting
+    (as the agent notices a death)."""
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    while not _exiting(pid):
+        time.sleep(0.001)
+    return t_kill, time.time()
+
+
+def _since(t: float | None, t0: float) -> float | None:
+    return None if t is None else round(t - t0, 3)
+
+
 def _pin(gb: float, tag: str, huge: bool = False) -> tuple[float, list]:
     """Page-lock ``gb`` of a fresh /dev/shm file in two halves (the memory tier's two
     slots), asking for transparent huge pages first with ``huge``; the seconds it took and
@@ -194,11 +208,7 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
         ready_r.recv()
     time.sleep(0.5)
     victim = procs[1]
-    t_kill = time.time()
-    os.kill(victim.pid, signal.SIGKILL)
-    while not _exiting(victim.pid):
-        time.sleep(0.001)
-    t_seen = time.time()
+    t_kill, t_seen = _kill(victim.pid)
     sb_parent.send("go")
     order_w.send(delay)
     victim.join()
@@ -211,7 +221,7 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
         p.join()
 
     def rel(t: float | None) -> float | None:
-        return None if t is None else round(t - t_kill, 3)
+        return _since(t, t_kill)
 
     return {"hold_gb": hold_gb, "pin_gb": pin_gb, "abort_delay_s": delay,
             "alloc_gb": alloc_gb, "cumem": os.environ.get("NCCL_CUMEM_ENABLE", "default"),
@@ -235,11 +245,7 @@ def one_solo(hold_gb: float, pin_gb: float, huge: bool, alloc_gb: float) -> dict
     standby.start()
     ready_r.recv()
     time.sleep(1.0)
-    t_kill = time.time()
-    os.kill(victim.pid, signal.SIGKILL)
-    while not _exiting(victim.pid):
-        time.sleep(0.001)
-    t_seen = time.time()
+    t_kill, t_seen = _kill(victim.pid)
     sb_parent.send("go")
     victim.join()
     t_reaped = time.time()
@@ -248,7 +254,7 @@ def one_solo(hold_gb: float, pin_gb: float, huge: bool, alloc_gb: float) -> dict
     standby.join()
 
     def rel(t: float | None) -> float | None:
-        return None if t is None else round(t - t_kill, 3)
+        return _since(t, t_kill)
 
     return {"gpus": 1, "shm_dir": os.environ.get("ALLOC_SHM_DIR", "/dev/shm"),
             "hold_gb": hold_gb, "pin_gb": pin_gb, "huge": huge,
