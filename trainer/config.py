@@ -562,10 +562,8 @@ class CheckpointConfig(_Section):
                     "slots each, and as many for the partner copies it holds); a state "
                     "that does not fit is not kept in memory (reported).")
     memory_root: str = Field(
-        "/dev/shm", description="Where the agent makes the memory tier's files (a tmpfs). "
-        "One mounted with huge=within_size (or huge=advise) gives 2 MiB pages: ranks "
-        "page-lock them about 2.5x faster, and a killed rank's process is released about "
-        "6x faster; the agent warns on 4 KiB pages.")
+        "/dev/shm", description="Where the agent makes the memory tier's files: a tmpfs, "
+        "best mounted huge=within_size (2 MiB pages; the agent warns on 4 KiB ones).")
     memory_partner: bool = Field(
         True, description="Also keep each rank's copy on the next node (one lost node loses "
                           "no state; doubles the memory used). Needs two nodes or more.")

@@ -45,13 +45,11 @@ def _unescape(field: str) -> str:
     """A mountinfo path field (octal escapes: ``\\040`` for a space)."""
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            try:
-                out.append(chr(int(field[i + 1:i + 4], 8)))
-                i += 4
-                continue
-            except ValueError:
-                pass
+        code = field[i + 1:i + 4]
+        if field[i] == "\\" and len(code) == 3 and set(code) <= set("01234567"):
+            out.append(chr(int(code, 8)))
+            i += 4
+            continue
         out.append(field[i])
         i += 1
     return "".join(out)
