@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
+import tenacity
 import torch
 import torch.distributed as dist
 
@@ -153,6 +156,7 @@ def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         # init_process_group's own env:// rendezvous, done here to mark its end apart from
         # the backends' set-up (NCCL's communicator): the same store, the same prefix.
+        await_store_host(env, timeout.total_seconds())
         store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
         store.set_timeout(timeout)
         mark("store_ready")
@@ -185,6 +189,39 @@ def store_spec(env: dict[str, str]) -> tuple[str, int, int] | None:
     if rank != 0 or world is None or port is None or port > 65535 or not addr:
         return None
     return addr, port, world
+
+
+# How often a rank that does not host the rendezvous store looks for the host's port.
+_STORE_PROBE_S = 0.01
+
+
+def await_store_host(env: Any, timeout_s: float) -> None:
+    """Wait until the rendezvous store's host (``MASTER_ADDR``:``MASTER_PORT``) accepts
+    connections, probing every 10 ms, when this rank is not the host. TCPStore's own client
+    retries with a growing delay: a surviving rank 1 reached a replacement rank 0's store
+    0.74 s after the server came up on 2 x H200 (0.4 s on this CPU), and the whole recovery
+    waited for it. A probe that connects and closes is no worker to the store. Raises
+    ``TimeoutError`` naming the address when the host is not up within ``timeout_s``."""
+    if store_spec(env) is not None or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() \
+            in ("1", "true"):
+        return
+    addr = env.get("MASTER_ADDR")
+    try:
+        port = ec.get_int(env, "MASTER_PORT", None, minimum=1)
+    except ec.EnvError:
+        return  # the rendezvous says what is wrong with it
+    if not addr or port is None or port > 65535:
+        return
+    probe = tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s),
+                              wait=tenacity.wait_fixed(_STORE_PROBE_S),
+                              retry=tenacity.retry_if_exception_type(OSError), reraise=True)
+    try:
+        for attempt in probe:
+            with attempt:
+                socket.create_connection((addr, port), timeout=max(_STORE_PROBE_S, 1.0)).close()
+    except OSError as exc:
+        raise TimeoutError(f"the rendezvous store at {addr}:{port} did not accept a "
+                           f"connection within {timeout_s:.0f} s: {exc}") from exc
 
 
 def host_store_ahead(env: dict[str, str]) -> dist.TCPStore | None:
