@@ -178,8 +178,9 @@ class ScheduleConfig(_Section):
 
     warmup_steps: int = Field(20, ge=0, description="Steps of linear warmup from 0 to peak.")
     decay: Literal["cosine", "constant"] = Field("cosine", description="Shape after warmup.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1,
-                                description="Final LR as a fraction of the peak (cosine).")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Final LR as a fraction of the peak (cosine)."
+    )
 
 
 class PrecisionConfig(_Section):
@@ -188,8 +189,9 @@ class PrecisionConfig(_Section):
     param_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Dtype of the compute (bf16 via FSDP2 mixed precision / autocast)."
     )
-    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32",
-                                                  description="Dtype of gradient reductions.")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Dtype of gradient reductions."
+    )
     fp8: bool = Field(
         False,
         description=(
@@ -225,11 +227,9 @@ class ParallelismConfig(_Section):
         "pays only for its own communicator.")
     overlap_abort: bool = Field(
         True, description="A rank recovering in place (restart.in_job) makes the next "
-        "generation's process groups while its old NCCL communicator's abort (about 0.5 s) "
-        "finishes in the background; false: it waits for the abort first.")
-    restore_during_abort: bool = Field(
-        False, description="With overlap_abort: the restore starts while the abort frees "
-        "NCCL's buffers (the two slowed each other on 2 x H200); false: it waits for it.")
+        "generation's process groups while its old NCCL communicator's abort finishes in "
+        "the background (NCCL's abort takes about 0.5 s); false: it waits for the abort "
+        "first.")
     zero_stage: int = Field(
         1, ge=0, le=3, description="ZeRO stage: deepspeed 0-3; neuron 0 or 1 (NxD ZeRO-1)."
     )

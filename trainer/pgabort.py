@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 # How long leaving without overlap waits for an abort in flight (NCCL's takes about 0.5 s).
-WAIT_S = 60.0
+_WAIT_S = 60.0
 _LOCK = threading.Condition()
 _ABORTED: set[int] = set()  # ids of the process groups this process has aborted
 _IN_FLIGHT = 0  # abort_groups calls still aborting
@@ -180,8 +180,8 @@ def leave_groups(overlap: bool) -> bool:
     else:
         # A group's shutdown must not run beside its abort (two teardowns of one NCCL
         # communicator at once are undefined).
-        if busy and not wait_aborts(WAIT_S):
-            raise RuntimeError(f"the process groups' abort did not end within {WAIT_S:.0f} s")
+        if busy and not wait_aborts(_WAIT_S):
+            raise RuntimeError(f"the process groups' abort did not end within {_WAIT_S:.0f} s")
         dist.destroy_process_group()
     with _LOCK:
         _ABORTED.difference_update(id(pg) for pg in old if not (busy and overlap))

@@ -205,7 +205,6 @@ class Rejoin:
             t_group = time.perf_counter()
             if chaos.fails_rejoin(worker.ctx.chaos, p.dctx.rank):
                 raise RejoinFailed(chaos.REJOIN_FAILURE)
-            self._abort_done()
             tier = self._restore(p)
         except RejoinFailed as failed:
             worker.event("recovery_failed", error=str(failed)[:4000])
@@ -264,21 +263,6 @@ class Rejoin:
         self.backend.rejoin(self.stepper, dctx)
         self._at["backend_rejoined"] = time.time()
         self.log("process groups made; restoring the newest state every rank holds")
-
-    def _abort_done(self) -> None:
-        """Wait for the old groups' abort to end before the restore's first collective
-        (``trainer.parallelism.restore_during_abort`` off). NCCL frees the old
-        communicator's buffers at the end of its abort, and on 2 x H200 those frees and
-        the restore's copies slowed each other: the survivor's memory load ended 0.3 s
-        after the abort, however early it began, and the abort took 0.9-1.9 s against
-        0.5 s alone. The restore's collectives make the replacement wait here too, so its
-        model allocation does not meet the frees either."""
-        if self.settings.trainer.parallelism.restore_during_abort:
-            return
-        if not pgabort.wait_aborts(pgabort.WAIT_S):
-            raise RejoinFailed(f"the old process groups' abort did not end within "
-                               f"{pgabort.WAIT_S:.0f} s")
-        self._at["abort_waited"] = time.time()
 
     def _restore(self, p: Any) -> str:
         """Collective: the newest state every rank holds, into this rank's live parts."""
