@@ -247,8 +247,14 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
     if tier is not None:
         out["restore_tier"] = {k: tier[k] for k in ("tier", "load_s", "verify_s") if k in tier}
     starts = [e for e in events if e["kind"] == "startup" and e.get("generation") == gen]
-    if starts:
-        st = starts[0]
+    # The failed rank's replacement: a startup of another rank (a survivor that fell back
+    # to starting afresh) is not the takeover being measured.
+    failed = _failed_rank(failure)
+    st = next((e for e in starts if failed is None or e.get("rank") == failed), None)
+    if st is None and starts:
+        out["replacement_unmatched"] = {"failed_rank": failed,
+                                        "started_ranks": [e.get("rank") for e in starts]}
+    if st is not None:
         out["replacement"] = {
             "rank": st.get("rank"), "standby": st.get("warm"),
             "takeover_s": st["process_start"] - launched["ts"],
@@ -268,6 +274,16 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
     if first is not None and first.get("step_ts"):
         out["first_step_at_s"] = first["step_ts"] - kill
     return _rounded(out)
+
+
+def _failed_rank(failure: dict[str, Any]) -> int | None:
+    """The rank a failure names: its own ``rank``, or a hang's first suspect's."""
+    if isinstance(failure.get("rank"), int):
+        return failure["rank"]
+    for suspect in failure.get("suspects") or []:
+        if isinstance(suspect, dict) and isinstance(suspect.get("rank"), int):
+            return suspect["rank"]
+    return None
 
 
 # A startup event's fields that are not wall-clock marks.
