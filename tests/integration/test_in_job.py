@@ -30,6 +30,11 @@ WARM = {"warm_start": True}  # the product's default: warm standbys replace dead
 PREFIXES = ("app.model.", "app.optim.", "progress.", "data.", "schedule.")
 # Fast hang detection, as the hang tests have it: max(2 s, 3 x the largest step).
 HANG_TIMEOUTS = {"training_floor_s": 2.0, "training_multiplier": 3.0}
+# The agent starts a generation's standbys once its ranks have stepped (it looks every
+# 0.5 s); these steps take milliseconds, and under load a kill at step 17 came before the
+# standby existed: the replacement started cold, as it should without one. A slow third
+# step in every generation lets the standby start before the kill a test expects it for.
+SPARE_TIME = {3: 3.0}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,7 @@ def check_final(run: Path, reference: dict) -> None:
 def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: Path,
                                                    reference: dict) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
-                       chaos={"kill": [{"step": 17, "rank": 1}]})
+                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_steps": SPARE_TIME})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
     run = tmp_path / "run"
@@ -177,7 +182,8 @@ def test_a_standby_takes_over_twice_in_a_row(tmp_path: Path, dataset_dir: Path,
                                              reference: dict) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        checkpoint={"memory_interval_steps": 2},
-                       chaos={"kill": [{"step": 15, "rank": 1}, {"step": 31, "rank": 1}]})
+                       chaos={"kill": [{"step": 15, "rank": 1}, {"step": 31, "rank": 1}],
+                              "slow_steps": SPARE_TIME})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
     run = tmp_path / "run"
