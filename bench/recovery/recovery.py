@@ -247,13 +247,11 @@ def in_job_breakdown(events: list[dict[str, Any]], chaos: dict[str, Any]) -> dic
     if tier is not None:
         out["restore_tier"] = {k: tier[k] for k in ("tier", "load_s", "verify_s") if k in tier}
     starts = [e for e in events if e["kind"] == "startup" and e.get("generation") == gen]
-    # The failed rank's replacement: a startup of another rank (a survivor that fell back
-    # to starting afresh) is not the takeover being measured.
+    # The failed rank's replacement, not another rank's startup (a survivor started afresh).
     failed = _failed_rank(failure)
     st = next((e for e in starts if failed is None or e.get("rank") == failed), None)
-    if st is None and starts:
-        out["replacement_unmatched"] = {"failed_rank": failed,
-                                        "started_ranks": [e.get("rank") for e in starts]}
+    if st is None and starts:  # which ranks started, when none is the failed one
+        out["replacement_unmatched"] = {"failed": failed, "started": [e.get("rank") for e in starts]}
     if st is not None:
         out["replacement"] = {
             "rank": st.get("rank"), "standby": st.get("warm"),
