@@ -218,7 +218,7 @@ def await_store_host(env: Any, timeout_s: float) -> None:
     try:
         for attempt in probe:
             with attempt:
-                socket.create_connection((addr, port), timeout=max(_STORE_PROBE_S, 1.0)).close()
+                socket.create_connection((addr, port), timeout=1.0).close()
     except OSError as exc:
         raise TimeoutError(f"the rendezvous store at {addr}:{port} did not accept a "
                            f"connection within {timeout_s:.0f} s: {exc}") from exc
