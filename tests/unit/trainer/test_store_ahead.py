@@ -98,9 +98,10 @@ def test_a_client_rank_waits_for_the_host_then_connects() -> None:
 
     def host() -> None:
         time.sleep(0.3)
+        binding = time.monotonic()  # the server listens before its constructor returns
         store = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=30))
-        served.append((time.monotonic(), store))
+        served.append((binding, store))
 
     thread = threading.Thread(target=host)
     thread.start()
