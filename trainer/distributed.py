@@ -12,8 +12,8 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import tenacity
 import torch
@@ -173,45 +173,50 @@ def init_distributed(cfg: TrainerConfig, marks: dict[str, float] | None = None
     return DistContext(rank, local_rank, world, device, backend, ckpt_group, marks=marks)
 
 
-def store_spec(env: dict[str, str]) -> tuple[str, int, int] | None:
-    """The rendezvous store this rank hosts in the generation ``env`` describes: (address,
-    port, world size) for RANK 0 without an agent store, None otherwise or for values out
-    of bounds (the rank's own rendezvous then says what is wrong)."""
+def _store_address(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """The rendezvous store's (address, port) from ``env``; None with an agent store (the
+    agent serves it) or for values out of bounds (the rank's own rendezvous then says what
+    is wrong)."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
         return None
     try:
-        rank = ec.get_int(env, "RANK", None, minimum=0)
-        world = ec.get_int(env, "WORLD_SIZE", None, minimum=1)
         port = ec.get_int(env, "MASTER_PORT", None, minimum=1)
     except ec.EnvError:
         return None
     addr = env.get("MASTER_ADDR")
-    if rank != 0 or world is None or port is None or port > 65535 or not addr:
+    return (addr, port) if addr and port is not None and port <= 65535 else None
+
+
+def store_spec(env: Mapping[str, str]) -> tuple[str, int, int] | None:
+    """The rendezvous store this rank hosts in the generation ``env`` describes: (address,
+    port, world size) for RANK 0 without an agent store, None otherwise or for values out
+    of bounds (the rank's own rendezvous then says what is wrong)."""
+    where = _store_address(env)
+    try:
+        rank = ec.get_int(env, "RANK", None, minimum=0)
+        world = ec.get_int(env, "WORLD_SIZE", None, minimum=1)
+    except ec.EnvError:
         return None
-    return addr, port, world
+    if where is None or rank != 0 or world is None:
+        return None
+    return (*where, world)
 
 
 # How often a rank that does not host the rendezvous store looks for the host's port.
 _STORE_PROBE_S = 0.01
 
 
-def await_store_host(env: Any, timeout_s: float) -> None:
+def await_store_host(env: Mapping[str, str], timeout_s: float) -> None:
     """Wait until the rendezvous store's host (``MASTER_ADDR``:``MASTER_PORT``) accepts
     connections, probing every 10 ms, when this rank is not the host. TCPStore's own client
     retries with a growing delay: a surviving rank 1 reached a replacement rank 0's store
     0.74 s after the server came up on 2 x H200 (0.4 s on this CPU), and the whole recovery
     waited for it. A probe that connects and closes is no worker to the store. Raises
     ``TimeoutError`` naming the address when the host is not up within ``timeout_s``."""
-    if store_spec(env) is not None or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() \
-            in ("1", "true"):
+    where = _store_address(env)
+    if where is None or store_spec(env) is not None:
         return
-    addr = env.get("MASTER_ADDR")
-    try:
-        port = ec.get_int(env, "MASTER_PORT", None, minimum=1)
-    except ec.EnvError:
-        return  # the rendezvous says what is wrong with it
-    if not addr or port is None or port > 65535:
-        return
+    addr, port = where
     probe = tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s),
                               wait=tenacity.wait_fixed(_STORE_PROBE_S),
                               retry=tenacity.retry_if_exception_type(OSError), reraise=True)
