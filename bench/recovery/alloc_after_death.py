@@ -20,6 +20,14 @@ With ``--new-group 1`` the survivor and the standby also make a new NCCL group (
 all-reduce) while the survivor's abort runs, as a recovery in place does: in the job that
 abort took 1.2-1.3 s even with nothing else on the GPU, against 0.41-0.57 s here alone.
 
+With ``--queue-ms 250`` the survivor queues that much GPU work behind each all-reduce, as a
+step's later layers wait behind the collective that hangs (the micro-bench's own queue is
+20 small products): the abort cannot end before that work has run if its frees synchronise
+the device. ``queue_drained_s`` is when the queue ran out. With ``--load-gb`` the survivor
+copies that much page-locked host memory to the GPU on a stream of its own while the abort
+runs (a restore's load): ``load_end_s`` against ``abort_end_s`` says whether the abort holds
+the copy back.
+
 If the allocation ends with the survivor's abort whatever the delay, the survivor's hold on
 the dead rank's memory (NCCL's imported buffers) is what it waits for; if it ends with the
 reap, the dead process's own teardown.
@@ -50,6 +58,8 @@ SHM_DIR = os.environ.get("ALLOC_SHM_DIR", "/dev/shm")
 COUNT = [1]  # --alloc-count
 MIX = [int(os.environ.get("ALLOC_MIX", "0"))]  # --mix (read again by spawned children)
 NEWPG = [int(os.environ.get("ALLOC_NEWPG", "0"))]  # --new-group (likewise)
+QUEUE_MS = [float(os.environ.get("ALLOC_QUEUE_MS", "0"))]  # --queue-ms (likewise)
+LOAD_GB = [float(os.environ.get("ALLOC_LOAD_GB", "0"))]  # --load-gb (likewise)
 
 
 def _exiting(pid: int) -> bool:
@@ -127,6 +137,10 @@ def _rank(rank: int, port: int, hold_gb: float, pin_gb: float, tag: str, conn, r
     grad = torch.randn(64 << 20, device=dev)
     marks: dict[str, float] = {"pin_s": pin_s}
 
+    queued = _queue_length(a) if rank == 0 and QUEUE_MS[0] > 0 else 0
+    marks["queued_ops"] = queued
+    load = _load_buffers(dev) if rank == 0 and LOAD_GB[0] > 0 else None
+
     def abort() -> None:
         marks["abort_start"] = time.time()
         dist.distributed_c10d._get_default_group().abort()
@@ -135,14 +149,23 @@ def _rank(rank: int, port: int, hold_gb: float, pin_gb: float, tag: str, conn, r
     def order_thread() -> None:
         delay = order.recv()
         time.sleep(delay)
-        if not NEWPG[0]:
+        drained = torch.cuda.Event()
+        drained.record(torch.cuda.default_stream(dev))
+        watch = threading.Thread(target=_when_done, args=(drained, marks, "queue_drained"))
+        watch.start()
+        if not NEWPG[0] and load is None:
             abort()
+            watch.join()
             conn.send(marks)
             return
         aborting = threading.Thread(target=abort)
         aborting.start()
-        marks["newpg_ready"] = _new_group(0, port + 500, dev)
+        if load is not None:
+            _load(load, dev, marks)
+        if NEWPG[0]:
+            marks["newpg_ready"] = _new_group(0, port + 500, dev)
         aborting.join()
+        watch.join()
         conn.send(marks)
 
     if rank == 0:
@@ -155,6 +178,8 @@ def _rank(rank: int, port: int, hold_gb: float, pin_gb: float, tag: str, conn, r
             dist.all_reduce(grad)
             if MIX[0]:
                 _mixed(grad, dev)
+            for _ in range(queued):  # behind the all-reduce, as a step's later layers are
+                a = (a @ a).tanh_()
             float(grad.norm())
             step += 1
             if step == 5:
@@ -163,6 +188,47 @@ def _rank(rank: int, port: int, hold_gb: float, pin_gb: float, tag: str, conn, r
         marks["error"] = type(exc).__name__
     del held, keep
     time.sleep(3600)
+
+
+def _queue_length(a: torch.Tensor) -> int:
+    """How many of the loop's matrix products take ``--queue-ms`` on this GPU."""
+    for _ in range(10):
+        b = (a @ a).tanh_()
+    torch.cuda.synchronize(a.device)
+    t = time.perf_counter()
+    for _ in range(50):
+        b = (b @ b).tanh_()
+    torch.cuda.synchronize(a.device)
+    each = (time.perf_counter() - t) / 50
+    return max(1, round(QUEUE_MS[0] / 1000 / each))
+
+
+def _when_done(event: torch.cuda.Event, marks: dict, key: str) -> None:
+    """Record in ``marks[key]`` when ``event`` completes (polled every millisecond)."""
+    deadline = time.time() + 60
+    while not event.query() and time.time() < deadline:
+        time.sleep(0.001)
+    marks[key] = time.time()
+
+
+def _load_buffers(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--load-gb`` of page-locked host memory and as much on the GPU (a restore's copy)."""
+    n = int(LOAD_GB[0] * (1 << 30))
+    return (torch.empty(n, dtype=torch.uint8, pin_memory=True),
+            torch.empty(n, dtype=torch.uint8, device=dev))
+
+
+def _load(bufs: tuple[torch.Tensor, torch.Tensor], dev: torch.device, marks: dict) -> None:
+    """A restore's host-to-device copy while the abort runs, on a stream of its own (not
+    behind the abandoned step's queue): whether the abort holds it back."""
+    src, dst = bufs
+    side = torch.cuda.Stream(dev)
+    marks["load_start"] = time.time()
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+    marks["load_issued"] = time.time()
+    side.synchronize()
+    marks["load_end"] = time.time()
 
 
 def _new_group(rank: int, port: int, dev: torch.device) -> float:
@@ -262,6 +328,11 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
             "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end")),
             "alloc_count": COUNT[0], "alloc_alone_s": got.get("alloc_alone_s"),
             "new_group": NEWPG[0], "survivor_newpg_s": rel(marks.get("newpg_ready")),
+            "queue_ms": QUEUE_MS[0], "queued_ops": marks.get("queued_ops"),
+            "queue_drained_s": rel(marks.get("queue_drained")), "load_gb": LOAD_GB[0],
+            "load_start_s": rel(marks.get("load_start")),
+            "load_issued_s": rel(marks.get("load_issued")),
+            "load_end_s": rel(marks.get("load_end")),
             "standby_newpg_s": rel(got.get("newpg_ready"))}
 
 
@@ -322,6 +393,12 @@ def main() -> int:
     ap.add_argument("--new-group", type=int, nargs="+", choices=[0, 1], default=[0],
                     help="1: the survivor and the standby make a new NCCL group (one "
                     "all-reduce) while the survivor's abort runs, as a recovery in place does")
+    ap.add_argument("--queue-ms", type=float, nargs="+", default=[0.0],
+                    help="milliseconds of the survivor's matrix products queued behind each "
+                    "all-reduce (a step's layers after the collective that hangs)")
+    ap.add_argument("--load-gb", type=float, nargs="+", default=[0.0],
+                    help="the survivor copies this much host memory to the GPU, on a "
+                    "stream of its own, while its abort runs (a restore's load)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--shm-dir", default=None, help="where the page-locked files are made "
                     "(a tmpfs mounted with huge=always, say; default /dev/shm)")
@@ -336,14 +413,16 @@ def main() -> int:
             r = one_solo(args.hold_gb, pin, bool(huge), args.alloc_gb)
             print(json.dumps(r), flush=True)
             runs.append(r)
-    for mix, newpg, pin, delay, _ in itertools.product(args.mix, args.new_group, args.pin_gb,
-                                                       args.abort_delay, range(args.repeat)):
+    for mix, newpg, queue, load, pin, delay, _ in itertools.product(
+            args.mix, args.new_group, args.queue_ms, args.load_gb, args.pin_gb,
+            args.abort_delay, range(args.repeat)):
         if args.gpus == 1:
             break
         port += 1
-        MIX[0], NEWPG[0] = mix, newpg
+        MIX[0], NEWPG[0], QUEUE_MS[0], LOAD_GB[0] = mix, newpg, queue, load
         # The spawned ranks read them.
-        os.environ.update(ALLOC_MIX=str(mix), ALLOC_NEWPG=str(newpg))
+        os.environ.update(ALLOC_MIX=str(mix), ALLOC_NEWPG=str(newpg),
+                          ALLOC_QUEUE_MS=str(queue), ALLOC_LOAD_GB=str(load))
         r = {**one(args.hold_gb, pin, delay, args.alloc_gb, port), "mix": mix}
         print(json.dumps(r), flush=True)
         runs.append(r)
