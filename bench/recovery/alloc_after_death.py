@@ -60,6 +60,7 @@ MIX = [int(os.environ.get("ALLOC_MIX", "0"))]  # --mix (read again by spawned ch
 NEWPG = [int(os.environ.get("ALLOC_NEWPG", "0"))]  # --new-group (likewise)
 QUEUE_MS = [float(os.environ.get("ALLOC_QUEUE_MS", "0"))]  # --queue-ms (likewise)
 LOAD_GB = [float(os.environ.get("ALLOC_LOAD_GB", "0"))]  # --load-gb (likewise)
+LOAD_SYNC = [os.environ.get("ALLOC_LOAD_SYNC", "stream")]  # --load-sync (likewise)
 
 
 def _exiting(pid: int) -> bool:
@@ -220,14 +221,18 @@ def _load_buffers(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _load(bufs: tuple[torch.Tensor, torch.Tensor], dev: torch.device, marks: dict) -> None:
     """A restore's host-to-device copy while the abort runs, on a stream of its own (not
-    behind the abandoned step's queue): whether the abort holds it back."""
+    behind the abandoned step's queue), waited for by a sync of that stream or of the whole
+    device (``--load-sync``): whether the abort holds either back."""
     src, dst = bufs
     side = torch.cuda.Stream(dev)
     marks["load_start"] = time.time()
     with torch.cuda.stream(side):
         dst.copy_(src, non_blocking=True)
     marks["load_issued"] = time.time()
-    side.synchronize()
+    if LOAD_SYNC[0] == "device":
+        torch.cuda.synchronize(dev)
+    else:
+        side.synchronize()
     marks["load_end"] = time.time()
 
 
@@ -332,7 +337,7 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
             "queue_drained_s": rel(marks.get("queue_drained")), "load_gb": LOAD_GB[0],
             "load_start_s": rel(marks.get("load_start")),
             "load_issued_s": rel(marks.get("load_issued")),
-            "load_end_s": rel(marks.get("load_end")),
+            "load_end_s": rel(marks.get("load_end")), "load_sync": LOAD_SYNC[0],
             "standby_newpg_s": rel(got.get("newpg_ready"))}
 
 
@@ -399,6 +404,8 @@ def main() -> int:
     ap.add_argument("--load-gb", type=float, nargs="+", default=[0.0],
                     help="the survivor copies this much host memory to the GPU, on a "
                     "stream of its own, while its abort runs (a restore's load)")
+    ap.add_argument("--load-sync", nargs="+", choices=["stream", "device"],
+                    default=["stream"], help="how the load's end is waited for")
     ap.add_argument("--out", default=None)
     ap.add_argument("--shm-dir", default=None, help="where the page-locked files are made "
                     "(a tmpfs mounted with huge=always, say; default /dev/shm)")
@@ -413,16 +420,17 @@ def main() -> int:
             r = one_solo(args.hold_gb, pin, bool(huge), args.alloc_gb)
             print(json.dumps(r), flush=True)
             runs.append(r)
-    for mix, newpg, queue, load, pin, delay, _ in itertools.product(
-            args.mix, args.new_group, args.queue_ms, args.load_gb, args.pin_gb,
-            args.abort_delay, range(args.repeat)):
+    for mix, newpg, queue, load, sync, pin, delay, _ in itertools.product(
+            args.mix, args.new_group, args.queue_ms, args.load_gb, args.load_sync,
+            args.pin_gb, args.abort_delay, range(args.repeat)):
         if args.gpus == 1:
             break
         port += 1
-        MIX[0], NEWPG[0], QUEUE_MS[0], LOAD_GB[0] = mix, newpg, queue, load
+        MIX[0], NEWPG[0], QUEUE_MS[0], LOAD_GB[0], LOAD_SYNC[0] = mix, newpg, queue, load, sync
         # The spawned ranks read them.
         os.environ.update(ALLOC_MIX=str(mix), ALLOC_NEWPG=str(newpg),
-                          ALLOC_QUEUE_MS=str(queue), ALLOC_LOAD_GB=str(load))
+                          ALLOC_QUEUE_MS=str(queue), ALLOC_LOAD_GB=str(load),
+                          ALLOC_LOAD_SYNC=sync)
         r = {**one(args.hold_gb, pin, delay, args.alloc_gb, port), "mix": mix}
         print(json.dumps(r), flush=True)
         runs.append(r)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
-from trainer.checkpoint.memory_load import objects_digest
+from trainer.checkpoint.memory_load import await_copies, objects_digest
 from trainer.checkpoint.memory_restore import MemoryRestore
 from trainer.checkpoint.memory_slots import (
     DigestAhead,
@@ -371,8 +371,8 @@ class MemoryTier(MemoryRestore):
             for t, seg in zip(tensors, segments, strict=True):
                 if seg.nbytes:
                     _to_slot(buf, seg.offset, _local(t).detach().contiguous(), seg.nbytes)
-        if self.device_type == "cuda" and any(_local(t).is_cuda for t in tensors):
-            torch.cuda.synchronize()  # the copies must land before training moves on
+        if self.device_type == "cuda":  # the copies must land before training moves on
+            await_copies({_local(t).device for t in tensors if _local(t).is_cuda})
         buf[offset:end] = blob
         self.last_bytes, self.staged_step = end, step
         return mf.MemoryManifest(

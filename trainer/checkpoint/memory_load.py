@@ -50,6 +50,15 @@ def _from_slot(data: Any, offset: int, dst: torch.Tensor, dtype: torch.dtype) ->
         dst.copy_(src.view(dst.shape), non_blocking=True)
 
 
+def await_copies(devices: set[torch.device]) -> None:
+    """Wait until the copies this thread queued to or from ``devices`` (GPUs) have landed:
+    each device's current stream, where they were queued. Not the whole device: a device
+    sync waits for every stream's work too, a durable save's staging copies or the NCCL
+    communicator a survivor is aborting beside its restore."""
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def object_tree(data: Any, m: mf.MemoryManifest) -> dict[str, Any]:
     """The copy's state tree, from a private copy of its blob checked against the
     manifest (ValueError otherwise)."""
@@ -73,6 +82,7 @@ def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
         raise ValueError(f"state parts {sorted(state)} differ from the copy's {m.keys}")
     tree = object_tree(data, m)
     copy_s = 0.0
+    devices: set[torch.device] = set()
 
     def fill(i: int, target: Any, path: str) -> Any:
         nonlocal copy_s
@@ -87,6 +97,8 @@ def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
             with torch.no_grad():
                 _from_slot(data, seg.offset, local, getattr(torch, seg.dtype))
             copy_s += time.perf_counter() - c0
+            if local.is_cuda:
+                devices.add(local.device)
         return target
 
     filled = {}
@@ -94,7 +106,7 @@ def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
         for key in m.keys:
             filled[key] = mf.unflatten(tree[key], state[key].state_dict(), fill, key)
         if cuda:
-            torch.cuda.synchronize()
+            await_copies(devices)
     finally:
         if pin is not None:
             pin.release()
