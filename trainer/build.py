@@ -195,6 +195,8 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     with worker.phase("loading"):
         manifest = restore.load(found, memory, checkpointer, state, dctx, ctx.resume_max_step,
                                 progress, settings.config_hash)
+    if marks is not None:
+        marks.update(found.at)  # and the load's own parts
     mark("loaded_state")
     # The memory tier's slots are prepared after the first step (the loop), not here:
     # page-locking them beside the first compiled step slowed it from 2.9-3.3 s to 5.5-5.8 s

@@ -277,6 +277,7 @@ class Rejoin:
         self.backend.reset_step_state(self.stepper)
         manifest = restore.load(found, p.memory, self.checkpointer, p.checkpoint_state,
                                 p.dctx, None, p.progress, self.settings.config_hash)
+        self._at.update(found.at)  # and the load's own parts
         self._at["loaded_state"] = time.time()
         if manifest is None:
             raise RejoinFailed("the chosen checkpoint did not load")

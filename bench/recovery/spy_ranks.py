@@ -67,11 +67,12 @@ def watch(out: Path, total_s: float, duration_s: float, rate: int, spy: str) -> 
                 if pid in spied:
                     continue
                 spied[pid] = {"cmd": cmd[:300], "start": time.time()}
-                procs.append(subprocess.Popen(
-                    [spy, "record", "--native", "--idle", "--threads", "--rate", str(rate),
-                     "--format", "raw", "--duration", str(int(duration_s)), "--pid", str(pid),
-                     "-o", str(out / f"spy-{pid}.txt")],
-                    stdout=subprocess.DEVNULL, stderr=open(out / f"spy-{pid}.log", "w")))
+                with open(out / f"spy-{pid}.log", "w") as errors:
+                    procs.append(subprocess.Popen(
+                        [spy, "record", "--native", "--idle", "--threads", "--rate", str(rate),
+                         "--format", "raw", "--duration", str(int(duration_s)),
+                         "--pid", str(pid), "-o", str(out / f"spy-{pid}.txt")],
+                        stdout=subprocess.DEVNULL, stderr=errors))
                 (out / "spied.json").write_text(json.dumps(spied, indent=1))
             time.sleep(0.2)
     finally:

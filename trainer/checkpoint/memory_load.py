@@ -74,10 +74,13 @@ def object_tree(data: Any, m: mf.MemoryManifest) -> dict[str, Any]:
 
 
 def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
-              pin: Pinned | None = None, cuda: bool = False) -> float:
+              pin: Pinned | None = None, cuda: bool = False,
+              marks: dict[str, float] | None = None) -> float:
     """Each tensor segment of ``data`` straight into the tensor the fresh ``state`` holds
     at its place, then each part's ``load_state_dict``; returns the seconds the copies
-    took. Raises ValueError when the layout does not match."""
+    took. Raises ValueError when the layout does not match. ``marks`` gets the wall-clock
+    ends of its parts: ``load_copies_issued``, ``load_copies_landed``, ``load_parts_loaded``."""
+    at = marks if marks is not None else {}
     if sorted(state) != m.keys:
         raise ValueError(f"state parts {sorted(state)} differ from the copy's {m.keys}")
     tree = object_tree(data, m)
@@ -105,11 +108,14 @@ def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
     try:
         for key in m.keys:
             filled[key] = mf.unflatten(tree[key], state[key].state_dict(), fill, key)
+        at["load_copies_issued"] = time.time()
         if cuda:
             await_copies(devices)
+        at["load_copies_landed"] = time.time()
     finally:
         if pin is not None:
             pin.release()
     for key in m.keys:
         state[key].load_state_dict(filled[key])
+    at["load_parts_loaded"] = time.time()
     return copy_s

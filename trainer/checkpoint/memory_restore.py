@@ -257,7 +257,7 @@ class MemoryRestore:
             self.last_copy_s = load_copy(plan.data, plan.manifest, state,
                                          pin=Pinned(buf, plan.manifest.data_bytes)
                                          if buf is not None else None,
-                                         cuda=self.device_type == "cuda")
+                                         cuda=self.device_type == "cuda", marks=plan.at)
         except Exception as exc:  # noqa: BLE001 - any failure: this copy never loads
             if plan.slot is not None:
                 self.slots.uncommit("own", self.rank, plan.slot)
