@@ -61,6 +61,7 @@ NEWPG = [int(os.environ.get("ALLOC_NEWPG", "0"))]  # --new-group (likewise)
 QUEUE_MS = [float(os.environ.get("ALLOC_QUEUE_MS", "0"))]  # --queue-ms (likewise)
 LOAD_GB = [float(os.environ.get("ALLOC_LOAD_GB", "0"))]  # --load-gb (likewise)
 LOAD_SYNC = [os.environ.get("ALLOC_LOAD_SYNC", "stream")]  # --load-sync (likewise)
+ALLOC_DELAY = [float(os.environ.get("ALLOC_DELAY", "0"))]  # --alloc-delay (likewise)
 
 
 def _exiting(pid: int) -> bool:
@@ -279,8 +280,10 @@ def _standby(device: int, alloc_gb: float, count: int, conn, ready, port: int = 
     del before
     torch.cuda.empty_cache()
     ready.send(time.time())
-    conn.recv()
+    got = conn.recv()
     newpg = _new_group(1, port + 500, torch.device("cuda", device)) if NEWPG[0] else None
+    if ALLOC_DELAY[0] > 0:  # into the survivor's abort, as a replacement's model build is
+        time.sleep(max(0.0, got + ALLOC_DELAY[0] - time.time()))
     t0 = time.time()
     xs = _allocate(device, alloc_gb, count)
     t1 = time.time()
@@ -310,7 +313,7 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
     time.sleep(0.5)
     victim = procs[1]
     t_kill, t_seen = _kill(victim.pid)
-    sb_parent.send("go")
+    sb_parent.send(t_kill)
     order_w.send(delay)
     victim.join()
     t_reaped = time.time()
@@ -332,7 +335,7 @@ def one(hold_gb: float, pin_gb: float, delay: float, alloc_gb: float, port: int)
             "alloc_start_s": rel(got.get("alloc_start")),
             "alloc_end_s": rel(got.get("alloc_end")), "fill_end_s": rel(got.get("fill_end")),
             "alloc_count": COUNT[0], "alloc_alone_s": got.get("alloc_alone_s"),
-            "new_group": NEWPG[0], "survivor_newpg_s": rel(marks.get("newpg_ready")),
+            "alloc_delay_s": ALLOC_DELAY[0], "new_group": NEWPG[0], "survivor_newpg_s": rel(marks.get("newpg_ready")),
             "queue_ms": QUEUE_MS[0], "queued_ops": marks.get("queued_ops"),
             "queue_drained_s": rel(marks.get("queue_drained")), "load_gb": LOAD_GB[0],
             "load_start_s": rel(marks.get("load_start")),
@@ -354,7 +357,7 @@ def one_solo(hold_gb: float, pin_gb: float, huge: bool, alloc_gb: float) -> dict
     ready_r.recv()
     time.sleep(1.0)
     t_kill, t_seen = _kill(victim.pid)
-    sb_parent.send("go")
+    sb_parent.send(t_kill)
     victim.join()
     t_reaped = time.time()
     got = sb_parent.recv() if sb_parent.poll(60) else {}
@@ -406,6 +409,9 @@ def main() -> int:
                     "stream of its own, while its abort runs (a restore's load)")
     ap.add_argument("--load-sync", nargs="+", choices=["stream", "device"],
                     default=["stream"], help="how the load's end is waited for")
+    ap.add_argument("--alloc-delay", type=float, nargs="+", default=[0.0],
+                    help="the standby allocates this many seconds after the kill (in the job "
+                    "a replacement's model build reaches its allocation 0.4-0.5 s after it)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--shm-dir", default=None, help="where the page-locked files are made "
                     "(a tmpfs mounted with huge=always, say; default /dev/shm)")
@@ -420,17 +426,18 @@ def main() -> int:
             r = one_solo(args.hold_gb, pin, bool(huge), args.alloc_gb)
             print(json.dumps(r), flush=True)
             runs.append(r)
-    for mix, newpg, queue, load, sync, pin, delay, _ in itertools.product(
+    for mix, newpg, queue, load, sync, alloc_delay, pin, delay, _ in itertools.product(
             args.mix, args.new_group, args.queue_ms, args.load_gb, args.load_sync,
-            args.pin_gb, args.abort_delay, range(args.repeat)):
+            args.alloc_delay, args.pin_gb, args.abort_delay, range(args.repeat)):
         if args.gpus == 1:
             break
         port += 1
         MIX[0], NEWPG[0], QUEUE_MS[0], LOAD_GB[0], LOAD_SYNC[0] = mix, newpg, queue, load, sync
+        ALLOC_DELAY[0] = alloc_delay
         # The spawned ranks read them.
         os.environ.update(ALLOC_MIX=str(mix), ALLOC_NEWPG=str(newpg),
                           ALLOC_QUEUE_MS=str(queue), ALLOC_LOAD_GB=str(load),
-                          ALLOC_LOAD_SYNC=sync)
+                          ALLOC_LOAD_SYNC=sync, ALLOC_DELAY=str(alloc_delay))
         r = {**one(args.hold_gb, pin, delay, args.alloc_gb, port), "mix": mix}
         print(json.dumps(r), flush=True)
         runs.append(r)
