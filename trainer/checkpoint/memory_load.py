@@ -52,9 +52,9 @@ def _from_slot(data: Any, offset: int, dst: torch.Tensor, dtype: torch.dtype) ->
 
 def await_copies(devices: set[torch.device]) -> None:
     """Wait until the copies this thread queued to or from ``devices`` (GPUs) have landed:
-    each device's current stream, where they were queued. Not the whole device: a device
-    sync waits for every stream's work too, a durable save's staging copies or the NCCL
-    communicator a survivor is aborting beside its restore."""
+    each device's current stream, where they were queued. Not the whole device, whose sync
+    also waits for every other stream's work (another thread's copies, NCCL's streams),
+    which these copies do not need."""
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
 
