@@ -55,6 +55,7 @@ from bench.recovery.runfiles import (
     settle,
     step_blocking,
 )
+from bench.recovery.samplers import DeathWatch, StandbySampler
 
 # The recovery target: SIGKILL -> next step.
 TARGET_KILL_S = 3.0
@@ -499,58 +500,22 @@ def main() -> int:
     return 0
 
 
-class StandbySampler:
-    """Every few seconds while a job runs: the warm standbys' host memory (RSS of the
-    ``orchestrator.worker.warm`` processes) and every process's GPU memory (nvidia-smi),
-    the largest of each kept."""
-
-    def __init__(self, every_s: float = 5.0) -> None:
-        import threading
-
-        self.standby_rss: dict[int, int] = {}
-        self.gpu_mib: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._every = every_s
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
-            for entry in os.scandir("/proc"):
-                if not entry.name.isdigit():
-                    continue
-                try:
-                    cmd = Path(entry.path, "cmdline").read_bytes()
-                    if b"orchestrator.worker.warm" not in cmd:
-                        continue
-                    for line in Path(entry.path, "status").read_text().splitlines():
-                        if line.startswith("VmRSS:"):
-                            kb = int(line.split()[1])
-                            pid = int(entry.name)
-                            self.standby_rss[pid] = max(self.standby_rss.get(pid, 0), kb * 1024)
-                except (OSError, ValueError):
-                    continue
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                      "--format=csv,noheader,nounits"], capture_output=True,
-                                     text=True, timeout=20).stdout
-            except (OSError, subprocess.SubprocessError):
-                continue
-            for line in out.splitlines():
-                try:
-                    pid, mib = (int(x) for x in line.split(","))
-                except ValueError:
-                    continue
-                self.gpu_mib[pid] = max(self.gpu_mib.get(pid, 0), mib)
-
-    def report(self) -> dict[str, Any]:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        standbys = sorted(self.standby_rss)
-        return {"standby_pids": standbys,
-                "standby_rss_bytes": [self.standby_rss[p] for p in standbys],
-                "standby_gpu_mib": [self.gpu_mib.get(p) for p in standbys],
-                "gpu_mib_by_pid": self.gpu_mib}
+def _add_deaths(run: dict[str, Any], watch: DeathWatch) -> None:
+    """Each recovery's death as :class:`DeathWatch` saw it (the first process to begin
+    exiting after the injection), on the injection's time line."""
+    events = _events(Path(run["run_dir"]))
+    roles = {r["pid"]: f"rank {r['rank']}" for e in events if e["kind"] == "ranks_started"
+             for r in e["ranks"] if r.get("pid")}
+    deaths = watch.report(roles)["deaths"]
+    for rec, c in zip(run["recoveries"], [e for e in events if e["kind"] == "chaos"],
+                      strict=True):
+        d = next((d for d in deaths if c["ts"] - 0.05 <= d["exiting"] <= c["ts"] + 30), None)
+        if d is not None:
+            rec["death"] = {**{k: v for k, v in d.items() if k not in ("exiting",
+                                                                      "teardown_end")},
+                            "exiting_s": round(d["exiting"] - c["ts"], 3),
+                            "teardown_end_s": round(d["teardown_end"] - c["ts"], 3)
+                            if "teardown_end" in d else None}
 
 
 def compare_paths(args: argparse.Namespace, config: str | None, sets: list[str],
@@ -563,9 +528,12 @@ def compare_paths(args: argparse.Namespace, config: str | None, sets: list[str],
         if path == "none":
             continue
         sampler = StandbySampler() if path == "in_job" else None
+        watch = DeathWatch() if path == "in_job" else None
         runs.append(with_injections(config, sets, profile["injections"], path, limit()))
         if sampler is not None:  # what the warm standbys held meanwhile
             runs[-1]["standby_cost"] = sampler.report()
+        if watch is not None:  # each death's teardown, and the other ranks' threads then
+            _add_deaths(runs[-1], watch)
     standby = None
     if args.standby_ab:
         sampler = StandbySampler()
