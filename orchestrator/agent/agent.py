@@ -27,6 +27,7 @@ from orchestrator.agent.lease import SupervisorLease
 from orchestrator.agent.local_socket import LocalHub, LocalSocketServer
 from orchestrator.agent.memory import NodeMemory, read_tier_pages
 from orchestrator.agent.nodeconfig import NodeConfig, preload_pythonpath
+from orchestrator.agent.rank_env import huge_page_malloc
 from orchestrator.agent.ranks import Rank, RankSet, RankSetup
 from orchestrator.roottasks import RootTaskFailed, RootTasks
 from orchestrator.agent.warm import SpareKind, WarmPool
@@ -481,7 +482,10 @@ class Agent:
                     or not self.ranks.alive:
                 return
             await asyncio.sleep(0.5)
-        base = {**ec.without_secrets(os.environ), **self._memory_env(a, provision=False)}
+        # A standby becomes a rank without a new exec: its malloc is set up as a rank's.
+        base = huge_page_malloc({**ec.without_secrets(os.environ),
+                                 **self._memory_env(a, provision=False),
+                                 **{k: v for k, v in a.env.items() if k == "GLIBC_TUNABLES"}})
 
         def env_of(local_rank: int) -> dict[str, str]:
             # What a standby's preparation reads: its device, the slots of the rank it
