@@ -223,8 +223,7 @@ class DeathWatch:
     def report(self, roles: dict[int, str] | None = None) -> dict[str, Any]:
         """Every death (wall-clock ``exiting`` and ``teardown_end``, its last memory), and
         per death the other processes' threads in its window: segments of one label at
-        least ``min_segment_s`` long, threads that spent the whole window in one idle call
-        left out. ``roles`` names pids (``rank 0``...) where the caller knows them."""
+        least ``min_segment_s`` long, of the threads :func:`worth_keeping` keeps. ``roles`` names pids (``rank 0``...) where the caller knows them."""
         self._stop.set()
         self._thread.join(timeout=30)
         roles = roles or {}
@@ -236,9 +235,7 @@ class DeathWatch:
                 item["teardown_s"] = round(d["teardown_end"] - t0, 3)
             for (pid, tid), segs in self.segments.items():
                 inside = [s for s in segs if s[1] >= t0 and s[0] <= t0 + self.window_s]
-                if pid == d["pid"] or not inside:
-                    continue
-                if tid != pid and len(inside) == 1 and inside[0][2].split(" ")[1] in _IDLE:
+                if pid == d["pid"] or not inside or not worth_keeping(inside, tid == pid):
                     continue
                 kept = [[round(max(s[0], t0) - t0, 3), round(s[1] - t0, 3), s[2]]
                         for s in inside if s[1] - s[0] >= self.min_segment_s]
@@ -253,3 +250,11 @@ class DeathWatch:
 # Calls a thread that does nothing sits in.
 _IDLE = {"futex", "epoll_wait", "epoll_pwait", "epoll_pwait2", "poll", "ppoll", "select",
          "nanosleep", "clock_nanosleep", "wait4", "read", "recvfrom", "recvmsg", "pselect6"}
+
+
+def worth_keeping(segments: list[list[Any]], main: bool) -> bool:
+    """Whether a thread's segments in a window say something: a process's main thread
+    always; another only if it ran, sat in uninterruptible sleep, or waited in a call that
+    is not a plain idle wait (an ``ioctl`` into the GPU driver, say)."""
+    return main or any(not (label.startswith("S ") and label.split(" ")[1] in _IDLE)
+                       for _, _, label in segments)
