@@ -38,6 +38,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import header
 
 STEP_BYTES = 2 << 20
 
@@ -159,14 +163,10 @@ def main() -> int:
             r = one(*case, args.shm_dir, args.window)
             print(json.dumps(r), flush=True)
             runs.append(r)
-    result = {"script": "bench/recovery/lock_after_death.py",
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "commit": os.environ.get("ORCH_BENCH_COMMIT"), "torch": torch.__version__,
-              "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
-              "runs": runs}
+    device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    result = {**header(device), "runs": runs}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
