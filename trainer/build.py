@@ -158,6 +158,8 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
     mark("built_loader")
     checkpointer = build_checkpointer(settings, dctx, worker, log, backend)
     memory = build_memory_tier(settings, dctx, ctx, checkpointer, backend, log, ahead)
+    if memory is not None:
+        checkpointer.stage_from_memory()
     mark("built_checkpointer")
     with worker.phase("loading"):
         found = restore.choose(memory, checkpointer, dctx, ctx.resume_max_step, log)

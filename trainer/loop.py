@@ -154,24 +154,20 @@ def _train(p: Parts) -> None:
     _finish(p)
 
 
-def memory_copy_due(step: int, memory_interval: int, durable_interval: int,
-                    last_step: int) -> bool:
-    """Whether ``step`` copies the state into the memory tier: every ``memory_interval``
-    steps, except that a step the durable tier saves at (every ``durable_interval``) hands
-    its copy to the next step. Both at one step blocked training 0.21-0.22 s on 2 x H200
-    (the durable save's 0.17 s device-to-host copy, then the memory copy's 0.05 s), over
-    the 0.2 s a save may block; one step apart, each stays under it. Never the last step:
-    a memory copy serves the in-place recovery of a later step, and there is none (a resume
-    reads the final durable save). A function of the step alone, so a survivor and its
-    replacement copy at the same steps (the partner copies are collectives)."""
-    if memory_interval <= 0 or step >= last_step:
-        return False
-    durable = durable_interval > 1 and step % durable_interval == 0
-    if step % memory_interval == 0:
-        return not durable
-    before = step - 1
-    return (durable_interval > 1 and before > 0 and before % memory_interval == 0
-            and before % durable_interval == 0)
+def memory_copy_due(step: int, memory_interval: int, durable: bool,
+                    last_step: int) -> str | None:
+    """How ``step`` copies its state into the memory tier: ``"commit"`` every
+    ``memory_interval`` steps and at every step that saves durably (that save takes its
+    tensors from this copy: one device-to-host copy for both tiers), ``"source"`` at the
+    last step (the durable save's source only: no recovery rolls back to it, a resume reads
+    that durable save), else None. A function of the step and of the ranks' agreed stop
+    alone, so a survivor and its replacement copy at the same steps (the partner copies are
+    collectives)."""
+    if step >= last_step:
+        return "source" if durable else None
+    if durable or (memory_interval > 0 and step % memory_interval == 0):
+        return "commit"
+    return None
 
 
 def _one_step(p: Parts, first: bool) -> bool:
@@ -211,26 +207,21 @@ def _one_step(p: Parts, first: bool) -> bool:
         p.worker.disturbed_while(busy)
     stop = agreed.stop
     durable = step % p.checkpoint_interval == 0 or step == cfg.steps or stop
+    copy = memory_copy_due(step, p.memory_interval, durable, cfg.steps) \
+        if p.memory is not None else None
+    if copy is not None:
+        with p.worker.phase("checkpointing"):
+            rec["mem_block_s"] = p.memory.save(step, p.progress.tokens, p.checkpoint_state,
+                                               keep=agreed.memory_common,
+                                               commit=copy == "commit")
     if durable:
         with p.worker.phase("checkpointing"):
-            t0 = time.perf_counter()
-            if p.memory is not None:
-                p.memory.wait_staging()  # a commit may still read the last save's staging
-            waited = time.perf_counter() - t0
-            rec["ckpt_block_s"] = p.checkpointer.save(step, p.checkpoint_state,
-                                                      p.progress.tokens) + waited
-    if p.memory is not None and (memory_copy_due(step, p.memory_interval,
-                                                 p.checkpoint_interval, cfg.steps) or stop):
-        with p.worker.phase("checkpointing"):
-            # Both tiers at one step: the memory copy comes from the durable save's host
-            # staging, in the background (one device-to-host copy blocks training).
-            staged = p.checkpointer.staged_state(step) if durable else None
-            rec["mem_block_s"] = p.memory.save_staged(
-                step, p.progress.tokens, p.checkpoint_state, staged,
-                keep=agreed.memory_common) \
-                if staged is not None else p.memory.save(
-                    step, p.progress.tokens, p.checkpoint_state, keep=agreed.memory_common)
-        # The books count both as the save's blocking time.
+            source = p.memory.copy_of(step) if p.memory is not None else None
+            blocked = p.checkpointer.save_from(step, p.checkpoint_state, p.progress.tokens,
+                                               source) if source is not None else None
+            rec["ckpt_block_s"] = blocked if blocked is not None else p.checkpointer.save(
+                step, p.checkpoint_state, p.progress.tokens)
+    if copy is not None:  # the books count both as the save's blocking time
         rec["ckpt_block_s"] = rec.get("ckpt_block_s", 0.0) + rec["mem_block_s"]
     p.checkpointer.poll()
     if p.memory is not None and p.dctx.is_main and p.memory.report_due():  # what it holds

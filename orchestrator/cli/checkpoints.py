@@ -341,7 +341,7 @@ def export_hf(checkpoint: str, to_hf: Path, dtype: str, tokenizer: str | None,
             extra = {}
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from trainer.checkpoint.checkpointer import explain_failure
+        from trainer.checkpoint.save_errors import explain_failure
 
         try:
             export_checkpoint(target, manifest, to_hf, dtype=dtype, tokenizer=tokenizer,

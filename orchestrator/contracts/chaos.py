@@ -255,6 +255,12 @@ class _SlowCheckpointer(_Proxy):
             self._sleep(self._save_s)
         return self._inner.save(*args, **kwargs)
 
+    def save_from(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._inner.save_from(*args, **kwargs)
+        if out is not None and self._save_s:  # None: ``save`` follows, and sleeps
+            self._sleep(self._save_s)
+        return out
+
     def finish(self, *args: Any, **kwargs: Any) -> Any:
         if self._final_s:
             self._sleep(self._final_s)

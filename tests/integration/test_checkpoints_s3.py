@@ -373,7 +373,7 @@ def test_a_wrong_key_stops_the_job_instead_of_starting_over(
     restore raises naming the keys, rather than training from scratch over them. With the
     old key, or unsigned ones trusted, it resumes."""
     from trainer.checkpoint import signing
-    from trainer.checkpoint.checkpointer import CheckpointTrustError
+    from trainer.checkpoint.save_errors import CheckpointTrustError
 
     cfg = CheckpointConfig(url=str(tmp_path / "ckpt"), keep_last=3)
     a = Trainee(cfg)

@@ -34,8 +34,8 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.checkpoint import layout
-from trainer.checkpoint.checkpointer import explain_failure
 from trainer.checkpoint.client import RNG, ClientStateCheckpointer
+from trainer.checkpoint.save_errors import explain_failure
 from trainer.checkpoint.store import Choice
 
 ENGINE = "engine"  # checkpoint-state key of the engine (saved by DeepSpeed itself)

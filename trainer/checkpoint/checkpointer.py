@@ -8,7 +8,8 @@ write results before finishing), so rank 0 then digests the files (BLAKE3), sign
 manifest with the job's key and writes ``manifest.json`` last: the commit. Digests and
 signature are computed in the commit thread, never on the training thread. With a remote
 tier, the commit then queues the step for the background uploader (``upload``). At most one
-save is in flight.
+save is in flight. With the memory tier on, a save stages nothing from the device: its
+tensors come from the memory tier's copy of the same step (``save_from``, ``slot_source``).
 
 A failed save (disk full, ...) is reported, its partial directory removed, and training goes
 on from the previous checkpoint; ``max_save_failures`` failures in a row end the worker with
@@ -25,8 +26,6 @@ the next candidate loaded (``load``).
 from __future__ import annotations
 
 import concurrent.futures
-import errno
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,11 +34,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from trainer.checkpoint import fence, layout, signing
-from trainer.checkpoint.staging import StagingBuffers, StagingWriter
+from trainer.checkpoint import fence, layout, signing, slot_source
+from trainer.checkpoint.save_errors import (
+    CheckpointLoadError,
+    CheckpointSaveError,
+    CheckpointTrustError,
+    LoadErrors,
+    SaveErrors,
+    explain_failure,
+)
+from trainer.checkpoint.slot_source import SlotCopy
+from trainer.checkpoint.staging import StagingBuffers, StagingWriter, fitting, plain_state
 from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint, trust_refusals
 from trainer.checkpoint.upload import Uploader
 from trainer.checkpoint.verified_reader import VerifiedReader, changed_since_verified
@@ -49,25 +56,7 @@ from trainer.state import STATE_FORMAT
 # How long a save waits for an abandoned save of the same step to end: its threads fail at
 # their next collective, after the file they are writing.
 _ORPHAN_WAIT_S = 600.0
-# DCP's CheckpointException derives from BaseException, so ``except Exception`` misses it.
-SaveErrors = (Exception, CheckpointException)
-LoadErrors = (Exception, CheckpointException)
-
 Report = Callable[..., None]  # report(event_name, **data): the worker SDK's event()
-
-
-class CheckpointSaveError(RuntimeError):
-    """Too many saves in a row failed: the worker stops so the restart policy applies."""
-
-
-class CheckpointLoadError(RuntimeError):
-    """Every checkpoint tried verified but failed to load (each is rejected): the rank stops
-    rather than train from a state that is partly overwritten."""
-
-
-class CheckpointTrustError(RuntimeError):
-    """No checkpoint verifies and some were refused for their key (unsigned, signed with
-    another key): the job stops instead of starting over from scratch."""
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -95,42 +84,6 @@ class _Pending:
     future: concurrent.futures.Future
     finalized: concurrent.futures.Future | None = None
     abandoned: bool = False  # an in-job recovery left it behind (``Checkpointer.abandon``)
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    """The exception, DCP's per-rank failures, and what each was raised while handling."""
-    out: list[BaseException] = []
-    todo: list[Any] = [exc]
-    while todo and len(out) < 32:
-        e = todo.pop(0)
-        e = e[0] if isinstance(e, tuple) else e
-        if not isinstance(e, BaseException) or e in out:
-            continue
-        out.append(e)
-        todo.extend(getattr(e, "failures", {}).values())
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return out
-
-
-def explain_failure(exc: BaseException, url: str) -> str:
-    """One line saying why a save failed; a full disk is named as such.
-
-    torch.save into a full disk surfaces as ``RuntimeError: unexpected pos``, with the
-    ENOSPC only in its context, so the whole chain is searched.
-    """
-    causes = _causes(exc)
-    for e in causes:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return f"disk full (ENOSPC) writing {url}: {e}"
-    if not layout.is_remote(url):
-        try:
-            free = shutil.disk_usage(layout.filesystem(url)[1].rsplit("/", 1)[0]).free
-            if free < 2**20:
-                return f"disk full ({free} bytes free) writing {url}: {causes[-1]}"
-        except OSError:
-            pass
-    leaf = next((e for e in reversed(causes) if not getattr(e, "failures", None)), exc)
-    return f"{type(leaf).__name__}: {leaf}"[:1000]
 
 
 def _written_files(metadata: Any) -> set[str]:
@@ -171,6 +124,11 @@ class Checkpointer:
             else None, log) if cfg.stage_ahead else None
         self.last_wait_s = 0.0  # of the last save's blocking time, waiting for the one before
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "ckpt-commit")
+        # With the memory tier on (``stage_from_memory``): saves copy their tensors out of
+        # its copies into host buffers of plain memory, then write them.
+        self.from_memory = False
+        self._buffers: dict[str, Any] | None = None
+        self._buffers_taken = False  # the ones allocated ahead (``staging``) were taken
         self._orphans: list[_Pending] = []  # saves an in-job recovery abandoned
         self.failures_in_a_row = 0
         self.last_committed: int | None = None
@@ -189,10 +147,12 @@ class Checkpointer:
             return FsspecWriter(url, sync_files=False), None
         path = layout.filesystem(url)[1]
         if self._staging_writer is None:
-            buffers = self.staging.take() if self.staging is not None else None
-            if self.device_type != "cuda" and buffers is None:
-                # Pinning needs an accelerator: with no buffers of its own, a CPU save
-                # stages into a fresh plain copy each time.
+            buffers = self._take_buffers()
+            pinned = self.device_type == "cuda" and not self.from_memory
+            if not pinned and buffers is None:
+                # Pinning needs an accelerator (and with the memory tier on, a rank pins
+                # nothing of its own): with no buffers, a save stages into a fresh plain
+                # copy each time.
                 return dcp.FileSystemWriter(path, thread_count=self.cfg.write_threads), None
             # One writer for the whole run, re-pointed at each step directory through DCP's
             # checkpoint_id: its staging buffers are allocated once and reused, so the
@@ -200,24 +160,41 @@ class Checkpointer:
             # on an H100, against 11.8 s with a fresh stager each save). Buffers allocated
             # ahead spare the first save the allocation too.
             self._staging_writer = StagingWriter(
-                path, buffers=buffers, pinned=self.device_type == "cuda", log=self.log,
+                path, buffers=buffers, pinned=pinned, log=self.log,
                 thread_count=self.cfg.write_threads)
         return self._staging_writer, path
 
+    def _take_buffers(self) -> dict[str, Any] | None:
+        """The host buffers allocated ahead (waiting for them), kept for every later save."""
+        if self._buffers is None and self.staging is not None and self.staging.started \
+                and not self._buffers_taken:
+            self._buffers_taken = True
+            self._buffers = self.staging.take()
+        return self._buffers
+
+    def stage_from_memory(self) -> None:
+        """The memory tier is on: a save takes its tensors from the memory tier's copy of
+        its step (``save_from``), so the buffers it writes from are plain memory."""
+        self.from_memory = True
+        if self.staging is not None and not self.staging.started:
+            self.staging = StagingBuffers(self.staging.device, self.log, pinned=False)
+
     def prepare_staging(self, state: dict[str, Any]) -> None:
         """Start allocating the staging buffers in the background (after a generation's
-        first step: the state's structure is final then). Only for asynchronous saves into
-        a filesystem, the ones that stage."""
+        first step: the state's structure is final then). Only for asynchronous saves that
+        stage: into a filesystem, or from the memory tier's copies."""
+        staged = self.from_memory or not layout.is_remote(self.store.primary.root)
         if self.staging is not None and self.cfg.async_save and self._staging_writer is None \
-                and not layout.is_remote(self.store.primary.root):
+                and self._buffers is None and staged:
             self.staging.prepare(state)
 
     def preparing(self) -> bool:
         """Whether staging buffers are still being allocated in the background."""
         return self.staging is not None and self.staging.preparing
 
-    def save(self, step: int, state: dict[str, Any], tokens: int) -> float:
-        """Start saving ``state`` as step ``step``; returns the seconds training was blocked."""
+    def _begin(self, step: int) -> str:
+        """Before a save's files: the previous save committed, no leftovers of this step;
+        the step's URL."""
         t0 = time.perf_counter()
         self.wait()  # one save in flight: the previous one must be committed first
         self.last_wait_s = time.perf_counter() - t0
@@ -228,6 +205,12 @@ class Checkpointer:
             layout.remove(url, self.store.primary.fs)
         if self.group is not None:
             dist.barrier(group=self.group)
+        return url
+
+    def save(self, step: int, state: dict[str, Any], tokens: int) -> float:
+        """Start saving ``state`` as step ``step``; returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        url = self._begin(step)
         writer, checkpoint_id = self._writer(url)
         if self.cfg.async_save:
             future = dcp.async_save(state, checkpoint_id=checkpoint_id, storage_writer=writer,
@@ -237,9 +220,47 @@ class Checkpointer:
             try:
                 future.set_result(dcp.save(state, checkpoint_id=checkpoint_id,
                                            storage_writer=writer, process_group=self.group))
-            except SaveErrors as exc:  # noqa: BLE001 - handled like an async failure
+            except SaveErrors as exc:
                 future.set_exception(exc)
         return self._start(step, url, tokens, t0, future)
+
+    def save_from(self, step: int, state: dict[str, Any], tokens: int,
+                  copy: SlotCopy) -> float | None:
+        """Start saving ``state`` as step ``step`` with its tensors taken from ``copy``, the
+        memory tier's copy of this step (``slot_source``); returns the seconds training was
+        blocked, or None, having done nothing, when the copy cannot serve (``save`` then)."""
+        if not self.cfg.async_save or copy.step != step:
+            return None
+        t0 = time.perf_counter()
+        live = plain_state(state)
+        self._buffers = buffers = fitting(live, self._take_buffers(), self.log)
+        matched = slot_source.match(live, buffers, copy)
+        if isinstance(matched, str):
+            self.log(f"checkpoint step {step}: the memory tier's copy cannot serve the save "
+                     f"({matched}); staging from the device")
+            return None
+        staged, pairs = matched
+        url = self._begin(step)
+        copied: concurrent.futures.Future = concurrent.futures.Future()
+        copy.hold(copied)
+        # A thread of its own per save, as DCP's async_save: one an in-job recovery left
+        # behind (``abandon``) never holds up the next.
+        pool = concurrent.futures.ThreadPoolExecutor(1, "ckpt-from-memory")
+        future = pool.submit(self._write_from, copy, pairs, staged, url, copied)
+        pool.shutdown(wait=False)
+        return self._start(step, url, tokens, t0, future)
+
+    def _write_from(self, copy: SlotCopy, pairs: list[Any], staged: dict[str, Any], url: str,
+                    copied: concurrent.futures.Future) -> Any:
+        """Copy-out thread: the copy's bytes into the buffers (then the slot is free
+        again), then DCP's save of them over the checkpoint group."""
+        try:
+            slot_source.fill(copy.buf, pairs)
+        finally:
+            copied.set_result(None)
+        writer = self._writer(url)[0] if layout.is_remote(url) else dcp.FileSystemWriter(
+            layout.filesystem(url)[1], thread_count=self.cfg.write_threads)
+        return dcp.save(staged, storage_writer=writer, process_group=self.group)
 
     def _start(self, step: int, url: str, tokens: int, t0: float,
                future: concurrent.futures.Future) -> float:
@@ -281,7 +302,7 @@ class Checkpointer:
             self._fenced(p, exc)
             done.set_result(None)
             return
-        except SaveErrors as exc:  # noqa: BLE001 - the save failed: report, keep the old ones
+        except SaveErrors as exc:
             self._failed(p, exc)
             done.set_result(None)
             return
@@ -362,7 +383,7 @@ class Checkpointer:
         if p is not None:
             try:
                 p.future.result()
-            except SaveErrors:  # noqa: BLE001 - reported by _finalize on rank 0
+            except SaveErrors:
                 pass
             if p.finalized is not None:
                 p.finalized.result()
@@ -382,15 +403,6 @@ class Checkpointer:
         if exc is not None and p.finalized is None:  # rank != 0: nothing else reports it
             print(f"checkpoint step {p.step}: write failed on this rank: "
                   f"{explain_failure(exc, p.url)}", flush=True)
-
-    def staged_state(self, step: int) -> dict[str, Any] | None:
-        """The host copy the save of ``step`` staged (each part's state dict off the
-        device), while that save is the one in flight; None when it kept no copy."""
-        p, writer = self._pending, self._staging_writer
-        if p is None or p.step != step or writer is None:
-            return None
-        staged = getattr(writer, "state_dict_cache", None)
-        return staged if isinstance(staged, dict) and staged else None
 
     def abandon(self) -> None:
         """Forget the save in flight when an in-job recovery aborted the process groups.
@@ -549,7 +561,7 @@ class Checkpointer:
         """None when ``found`` loaded into ``state``, else why not (this rank's view)."""
         try:
             self._read(state, found)
-        except LoadErrors as exc:  # noqa: BLE001 - any failure moves to the next candidate
+        except LoadErrors as exc:
             return explain_failure(exc, found.url)
         return None
 

@@ -12,9 +12,12 @@ digests the slot's bytes (BLAKE3), signs the manifest and renames it into place:
 commit. With a partner, each rank's commit thread then sends its slot (bytes and manifest)
 to the rank at the same local index on the next node, over a gloo group of the tier's own,
 and receives the previous node's: that copy is committed the same way in a ``partner``
-slot. One save is in flight at a time. GEMINI's placement (a ring over nodes, one replica each): one node lost
-loses no state, memory per node is twice a rank's state, and the exchange is one
-send/receive pair per rank, not a collective that grows with the world.
+slot. One save is in flight at a time. GEMINI's placement (a ring over nodes, one replica
+each): one node lost loses no state, memory per node is twice a rank's state, and the
+exchange is one send/receive pair per rank, not a collective that grows with the world.
+A step the durable tier saves at copies into this tier too, and the durable save takes its
+tensors from that copy (``copy_of``, ``slot_source``): the slot is not written again until
+they are copied out.
 
 **Restoring** (``plan``, then ``load``): every rank lists the committed copies it holds,
 its own and its partner's; the ranks all-gather that and each takes the same decision: the
@@ -53,16 +56,13 @@ from trainer.checkpoint.memory_slots import (
     Slots,
     digest_of,
 )
+from trainer.checkpoint.slot_source import SlotCopy, local_tensor
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
 
 
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -81,40 +81,6 @@ def _to_slot(buf: Any, offset: int, src: torch.Tensor, nbytes: int) -> None:
     else:
         dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
         dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-
-
-def _with_staged(live: Any, staged: Any, where: str) -> Any:
-    """``live`` (a part's state dict now) with each tensor replaced by the tensor at the same
-    place of ``staged`` (the durable save's host copy of it); ValueError where they differ."""
-    if isinstance(live, dict):
-        if not isinstance(staged, dict) or live.keys() != staged.keys():
-            raise ValueError(f"{where}: keys differ")
-        return {k: _with_staged(v, staged[k], f"{where}.{k}") for k, v in live.items()}
-    if isinstance(live, list | tuple):
-        if not isinstance(staged, list | tuple) or len(live) != len(staged):
-            raise ValueError(f"{where}: lengths differ")
-        out = [_with_staged(a, b, f"{where}[{i}]")
-               for i, (a, b) in enumerate(zip(live, staged, strict=True))]
-        return type(live)(out) if isinstance(live, tuple) else out
-    if isinstance(live, torch.Tensor):
-        if not isinstance(staged, torch.Tensor):
-            raise ValueError(f"{where}: no staged tensor")
-        a, b = _local(live), _local(staged)
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(f"{where}: {b.dtype}{list(b.shape)} staged, "
-                             f"{a.dtype}{list(a.shape)} live")
-        return staged
-    return live
-
-
-class _Staged:
-    """A part of the durable tier's staged copy, as the memory tier reads a live part."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def state_dict(self) -> Any:
-        return self._value
 
 
 class MemoryTier(MemoryRestore):
@@ -155,7 +121,9 @@ class MemoryTier(MemoryRestore):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "memory-commit")
         self._pending: concurrent.futures.Future | None = None
         self._preparation: concurrent.futures.Future | None = None  # prepare_saves's
-        self._reading_staging: concurrent.futures.Future | None = None  # save_staged's
+        # Slots a durable save still copies out of (``copy_of``): not written until done.
+        self._holds: dict[str, concurrent.futures.Future] = {}
+        self._copy: SlotCopy | None = None  # the last save's copy, its bytes landed
         self._cancel = threading.Event()  # set by ``abandon``: the commit in flight stops
 
     @property
@@ -176,14 +144,16 @@ class MemoryTier(MemoryRestore):
         return min(spare, key=lambda s: have[s])
 
     def save(self, step: int, tokens: int, state: dict[str, Any],
-             keep: int | None = None) -> float:
+             keep: int | None = None, commit: bool = True) -> float:
         """Copy ``state`` into the older own slot (training waits for this copy only),
         never the one holding step ``keep`` (the newest step every rank has committed);
         the digest, the signed manifest (the commit) and the partner exchange follow in
         the background. One save in flight: this waits for the previous one first.
-        Returns the seconds training was blocked."""
+        ``commit=False``: the copy only (``copy_of``: a durable save's source at the last
+        step, which no recovery rolls back to). Returns the seconds training was blocked."""
         t0 = time.perf_counter()
         self.wait()
+        self._copy = None
         if self.disabled_reason is not None:
             return 0.0
         slot = self._target("own", self.rank, keep)
@@ -192,9 +162,13 @@ class MemoryTier(MemoryRestore):
         if buf is None:
             self._disable(f"the agent made no slot {mf.slot_name('own', self.rank, slot, 'bin')}")
         else:
+            self._await_hold(slot)
             self.slots.uncommit("own", self.rank, slot)
             staged = self._stage(buf, step, tokens, state)
-        if staged is None and not self.partnered:
+        if buf is not None and staged is not None:
+            self._copy = SlotCopy(step, buf, tuple(staged.keys), tuple(staged.segments),
+                                  lambda done: self._holds.__setitem__(slot, done))
+        if not commit or (staged is None and not self.partnered):
             return time.perf_counter() - t0
         self.saves += 1
         prepare = None
@@ -203,52 +177,19 @@ class MemoryTier(MemoryRestore):
         self._pending = self._executor.submit(self._commit, slot, buf, staged, prepare)
         return time.perf_counter() - t0
 
-    def save_staged(self, step: int, tokens: int, state: dict[str, Any],
-                    staged: dict[str, Any], keep: int | None = None) -> float:
-        """At a step the durable tier saves too: the tensors come from that save's host
-        staging (``staged``: each part's state dict, copied off the device), copied into the
-        slot in the commit thread, so training waits for one device-to-host copy, the
-        durable tier's, not two; every other value comes from ``state`` now (the staging
-        keeps only tensors up to date). The staging stays untouched until the durable tier's
-        next save, which waits for this copy first (``wait_staging``). Falls back to
-        ``save`` when the staging does not match the state. Returns the seconds training
-        was blocked."""
-        t0 = time.perf_counter()
-        try:
-            merged = {k: _Staged(_with_staged(state[k].state_dict(), staged[k], k))
-                      for k in state}
-        except (KeyError, ValueError) as exc:
-            self.log(f"memory tier: the durable staging does not match the state ({exc}); "
-                     "copying from the device")
-            return self.save(step, tokens, state, keep)
-        self.wait()
-        if self.disabled_reason is not None:
-            return 0.0
-        slot = self._target("own", self.rank, keep)
-        buf = self.slots.map("own", self.rank, slot)
-        if buf is None:
-            self._disable(f"the agent made no slot {mf.slot_name('own', self.rank, slot, 'bin')}")
-            return time.perf_counter() - t0
-        self.slots.uncommit("own", self.rank, slot)
-        self.saves += 1
-        self._pending = self._reading_staging = self._executor.submit(
-            self._stage_and_commit, slot, buf, step, tokens, merged)
-        return time.perf_counter() - t0
+    def copy_of(self, step: int) -> SlotCopy | None:
+        """The copy the last save made, when it is of ``step`` (a durable save's source)."""
+        copy = self._copy
+        return copy if copy is not None and copy.step == step else None
 
-    def wait_staging(self) -> None:
-        """Until a commit that copies from the durable tier's host staging has copied it
-        (before that tier stages its next save into the same buffers)."""
-        reading = self._reading_staging
-        if reading is not None and not reading.done():
-            self.wait()
-        self._reading_staging = None
-
-    def _stage_and_commit(self, slot: str, buf: mmap.mmap, step: int, tokens: int,
-                          parts: dict[str, Any]) -> None:
-        staged = self._stage(buf, step, tokens, parts)
-        if staged is None and not self.partnered:
-            return
-        self._commit(slot, buf, staged)
+    def _await_hold(self, slot: str) -> None:
+        """Until a durable save has copied ``slot`` out (about a second after its step)."""
+        held = self._holds.pop(slot, None)
+        if held is not None and not held.done():
+            t0 = time.perf_counter()
+            concurrent.futures.wait([held])
+            self.log(f"memory tier: waited {time.perf_counter() - t0:.2f} s for a durable "
+                     f"save to copy slot {slot} out")
 
     def prepare_saves(self, state: dict[str, Any]) -> None:
         """After a generation's first step, in the background: fault in the own slots' pages for a state
@@ -267,7 +208,7 @@ class MemoryTier(MemoryRestore):
         tensors: list[torch.Tensor] = []
         for part in state.values():
             mf.flatten(part.state_dict(), tensors, _is_tensor)
-        nbytes = sum(mf.aligned(_local(t).numel() * _local(t).element_size())
+        nbytes = sum(mf.aligned(local_tensor(t).numel() * local_tensor(t).element_size())
                      for t in tensors) + 2**20  # and the object tree
         self._pending = self._preparation = self._executor.submit(self._prepare_slots, nbytes)
 
@@ -321,7 +262,7 @@ class MemoryTier(MemoryRestore):
         if not done:
             return False
         self._cancel.clear()
-        self._pending = self._reading_staging = None
+        self._pending = None
         if pending.exception() is not None:
             self.log(f"memory tier: the save in flight ended with the recovery: "
                      f"{type(pending.exception()).__name__}")
@@ -357,7 +298,7 @@ class MemoryTier(MemoryRestore):
         blob = objects.getvalue()
         segments, offset = [], 0
         for t in tensors:
-            local = _local(t)
+            local = local_tensor(t)
             nbytes = local.numel() * local.element_size()
             segments.append(mf.Segment(offset=offset, nbytes=nbytes, dtype=_dtype_name(local),
                                        shape=list(local.shape)))
@@ -370,9 +311,9 @@ class MemoryTier(MemoryRestore):
         with torch.no_grad():
             for t, seg in zip(tensors, segments, strict=True):
                 if seg.nbytes:
-                    _to_slot(buf, seg.offset, _local(t).detach().contiguous(), seg.nbytes)
+                    _to_slot(buf, seg.offset, local_tensor(t).detach().contiguous(), seg.nbytes)
         if self.device_type == "cuda":  # the copies must land before training moves on
-            await_copies({_local(t).device for t in tensors if _local(t).is_cuda})
+            await_copies({local_tensor(t).device for t in tensors if local_tensor(t).is_cuda})
         buf[offset:end] = blob
         self.last_bytes, self.staged_step = end, step
         return mf.MemoryManifest(
@@ -484,6 +425,9 @@ class MemoryTier(MemoryRestore):
         """Stop the commit thread (a save still in flight finishes, bounded by the group's
         timeout when a partner is gone) and unmap the slots."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        for slot in list(self._holds):  # a copy out of a slot is local and short
+            self._await_hold(slot)
+        self._copy = None
         if self._pending is None or self._pending.done():
             for pinned in self._pinned:
                 pinned.release()

@@ -15,6 +15,8 @@ and hands them to the writer (``StagingWriter``) at the first save. The first sa
 blocks for a copy, as every later one does. Should the buffers not fit the state at a save
 (checked on the state dict the save stages anyway: no second ``state_dict()`` call), or
 their allocation fail, they are dropped with a log line and the writer allocates as before.
+With the memory tier on, the buffers are plain memory (``pinned=False``): a save copies into
+them from the memory tier's copy, not from the device (``slot_source``).
 """
 
 from __future__ import annotations
@@ -39,18 +41,16 @@ class StagingBuffers:
     the allocation in the background; ``take`` (at the first save) waits for it and returns
     the buffers when they fit the state, else None."""
 
-    def __init__(self, device: torch.device | None, log: Callable[[str], None]) -> None:
-        self.device = device  # CUDA: pinned buffers, allocated with this device current
+    def __init__(self, device: torch.device | None, log: Callable[[str], None],
+                 pinned: bool = True) -> None:
+        self.device = device  # CUDA: allocated with this device current, off its stream
+        self.pinned = pinned and device is not None and device.type == "cuda"
         self.log = log
         self._thread: threading.Thread | None = None
         self._buffers: dict[str, Any] | None = None
         self._error: BaseException | None = None
         self.prepare_s: float | None = None  # background seconds the allocation took
         self.wait_s = 0.0  # seconds the first save waited for it (0: ready in time)
-
-    @property
-    def pinned(self) -> bool:
-        return self.device is not None and self.device.type == "cuda"
 
     @property
     def started(self) -> bool:
@@ -77,14 +77,16 @@ class StagingBuffers:
 
         t0 = time.perf_counter()
         try:
-            if self.pinned:
+            if self.device is not None and self.device.type == "cuda":
                 # Pinned memory is registered with the current device's context: this
                 # thread's must be the rank's own, and its copies (DTensors are built by a
-                # copy to the host, then given empty pinned storage) stay off the training
-                # stream.
+                # copy to the host, then given empty storage) stay off the training stream.
                 torch.cuda.set_device(self.device)
                 with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                    self._buffers = _create_cpu_state_dict(template, pin_memory=True)
+                    buffers = _create_cpu_state_dict(template, pin_memory=self.pinned)
+                if not self.pinned:
+                    _touch(buffers)
+                self._buffers = buffers
             else:
                 buffers = _create_cpu_state_dict(template)
                 # torch.empty only reserves the memory: its pages would be faulted in by
@@ -134,6 +136,19 @@ class StagingWriter(dcp.FileSystemWriter):
             # save from now on, as a CPU save made before buffers were kept.
             self.cache_staged_state_dict = False
         return super().stage(state_dict)
+
+
+def fitting(live: dict[str, Any], buffers: dict[str, Any] | None,
+            log: Callable[[str], None]) -> dict[str, Any]:
+    """``buffers`` when they fit ``live`` (a plain state), else plain ones shaped like it."""
+    if buffers is not None and fits(live, buffers):
+        return buffers
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    if buffers is not None:
+        log("host buffers no longer fit the state (its keys or shapes changed): allocated "
+            "again")
+    return _create_cpu_state_dict(live)
 
 
 def _touch(obj: Any) -> None:

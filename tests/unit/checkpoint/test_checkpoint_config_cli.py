@@ -83,7 +83,7 @@ def test_jobview_folds_tiers_and_per_tier_pruning() -> None:
 def test_a_full_disk_is_named_even_when_torch_hides_the_enospc() -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from trainer.checkpoint.checkpointer import explain_failure
+    from trainer.checkpoint.save_errors import explain_failure
 
     inner = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
     inner.__context__ = OSError(errno.ENOSPC, "No space left on device")

@@ -5,6 +5,7 @@ Two ranks, partner copies and fallbacks under real jobs: tests/integration/test_
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from pathlib import Path
 from typing import Any, ClassVar
@@ -110,38 +111,40 @@ def test_a_save_never_overwrites_the_step_every_rank_holds(tmp_path: Path) -> No
     assert sorted(c.manifest.step for c in t.slots.copies("own", 0)) == [20, 25]
 
 
-def test_a_save_from_the_durable_tiers_staging_restores_the_same_state(tmp_path: Path) -> None:
-    """Both tiers at one step: the memory copy is made from the durable save's host staging
-    in the commit thread, and restores exactly what a copy of the live state would."""
+def test_a_copy_serves_its_step_and_its_slot_waits_for_the_hold(tmp_path: Path) -> None:
+    """``copy_of`` hands a durable save the copy of its own step only; a held slot is not
+    written again until the hold is done (the save into the other slot does not wait); a
+    copy made with ``commit=False`` is never committed."""
     t = tier(tmp_path)
-    live = state(7)
-    staged = {k: _copied(v.state_dict()) for k, v in live.items()}
-    # The staging's own non-tensor values are those of when it was allocated (DCP keeps
-    # only its tensors up to date): they must not reach the copy.
-    staged["progress"] = {k: 1 for k in staged["progress"]}
-    staged["extra"] = {**staged["extra"], "lr": 9.0}
-    blocked = t.save_staged(30, 300, live, staged)
-    t.wait_staging()
-    assert blocked < 1.0
-    plan = t.plan(durable_step=None, max_step=None)
-    assert plan.use and plan.step == 30, plan.reason
-    dst = state(8)
-    t.load(plan, dst)
-    for k in ("w", "b", "i", "h"):
-        assert torch.equal(dst["model"].value[k], live["model"].value[k])
-    assert (dst["progress"].step, dst["progress"].tokens) == (7, 70)
-    assert dst["extra"].value["lr"] == 0.5
-    # A staging that does not fit the state: copied from the state itself instead.
-    staged["model"] = {**staged["model"], "w": torch.zeros(2, 2)}
-    t.save_staged(31, 310, live, staged)
+    t.save(10, 100, state(10))
+    copy = t.copy_of(10)
+    assert copy is not None and t.copy_of(9) is None and copy.keys == ("extra", "model",
+                                                                        "progress")
+    assert [s.shape for s in copy.segments][:4] == [[5, 7], [5], [3], [4]]
+    held: concurrent.futures.Future = concurrent.futures.Future()
+    copy.hold(held)
+    t.save(20, 200, state(20))  # the other slot
     t.wait()
-    assert t.plan(durable_step=None, max_step=None).step == 31
+    assert t.copy_of(10) is None and t.copy_of(20) is not None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        third = pool.submit(t.save, 30, 300, state(30), 20)  # into the held slot
+        done, _ = concurrent.futures.wait([third], timeout=0.5)
+        assert not done  # waiting for the hold
+        assert bytes(copy.buf[:copy.segments[0].nbytes]) == _raw(state(10)["model"].value["w"])
+        held.set_result(None)
+        assert third.result(timeout=30) < 30
+    t.wait()
+    assert sorted(c.manifest.step for c in t.slots.copies("own", 0)) == [20, 30]
+    # The last step's copy: the durable save's source, never committed.
+    t.save(40, 400, state(40), keep=30, commit=False)
+    t.wait()
+    assert t.copy_of(40) is not None
+    assert sorted(c.manifest.step for c in t.slots.copies("own", 0)) == [30]
+    t.close()
 
 
-def _copied(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return value.clone() if isinstance(value, torch.Tensor) else value
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_older_than_durable_is_not_used(tmp_path: Path) -> None:

@@ -166,6 +166,10 @@ class Checkpointer:
         self.log.append(f"save {step}")
         return 0.01
 
+    def save_from(self, step: int, served: bool) -> float | None:
+        self.log.append(f"save_from {step}")
+        return 0.01 if served else None
+
     def finish(self) -> None:
         self.log.append("finish")
 
@@ -185,6 +189,10 @@ def test_slow_saves_and_a_slow_final_commit() -> None:
     both.save(6)
     both.finish()
     assert slept == [3.0, 1.0]
+    # A save from the memory tier's copy is slowed as well; one it cannot serve is not (the
+    # plain save that follows it is).
+    assert both.save_from(7, True) == 0.01 and slept == [3.0, 1.0, 1.0]
+    assert both.save_from(8, False) is None and slept == [3.0, 1.0, 1.0]
 
 
 def test_a_forced_failure_keeps_the_real_outcome_text() -> None:
