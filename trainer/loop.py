@@ -217,8 +217,8 @@ def _one_step(p: Parts, first: bool) -> bool:
     if durable:
         with p.worker.phase("checkpointing"):
             source = p.memory.copy_of(step) if p.memory is not None else None
-            blocked = p.checkpointer.save_from(step, p.checkpoint_state, p.progress.tokens,
-                                               source) if source is not None else None
+            blocked = p.checkpointer.save_from(step, p.progress.tokens, source) \
+                if source is not None else None
             rec["ckpt_block_s"] = blocked if blocked is not None else p.checkpointer.save(
                 step, p.checkpoint_state, p.progress.tokens)
     if copy is not None:  # the books count both as the save's blocking time

@@ -46,7 +46,7 @@ from trainer.checkpoint.save_errors import (
     explain_failure,
 )
 from trainer.checkpoint.slot_source import SlotCopy
-from trainer.checkpoint.staging import StagingBuffers, StagingWriter, fitting, plain_state
+from trainer.checkpoint.staging import StagingBuffers, StagingWriter, fitting
 from trainer.checkpoint.store import CheckpointStore, Choice, same_checkpoint, trust_refusals
 from trainer.checkpoint.upload import Uploader
 from trainer.checkpoint.verified_reader import VerifiedReader, changed_since_verified
@@ -192,9 +192,9 @@ class Checkpointer:
         """Whether staging buffers are still being allocated in the background."""
         return self.staging is not None and self.staging.preparing
 
-    def _begin(self, step: int) -> str:
-        """Before a save's files: the previous save committed, no leftovers of this step;
-        the step's URL."""
+    def _begin(self, step: int, barrier: bool = True) -> str:
+        """Before a save's files: the previous save committed, no leftovers of this step
+        (every rank waits for rank 0's removal in the barrier); the step's URL."""
         t0 = time.perf_counter()
         self.wait()  # one save in flight: the previous one must be committed first
         self.last_wait_s = time.perf_counter() - t0
@@ -203,7 +203,7 @@ class Checkpointer:
         if self.rank == 0:
             # A save killed midway may have left files for this step: never mix them in.
             layout.remove(url, self.store.primary.fs)
-        if self.group is not None:
+        if self.group is not None and barrier:
             dist.barrier(group=self.group)
         return url
 
@@ -224,15 +224,15 @@ class Checkpointer:
                 future.set_exception(exc)
         return self._start(step, url, tokens, t0, future)
 
-    def save_from(self, step: int, state: dict[str, Any], tokens: int,
-                  copy: SlotCopy) -> float | None:
-        """Start saving ``state`` as step ``step`` with its tensors taken from ``copy``, the
-        memory tier's copy of this step (``slot_source``); returns the seconds training was
-        blocked, or None, having done nothing, when the copy cannot serve (``save`` then)."""
+    def save_from(self, step: int, tokens: int, copy: SlotCopy) -> float | None:
+        """Start saving the memory tier's copy of step ``step`` (``slot_source``: its
+        tensors copied out of the slot, the rest from the state dicts it was made from);
+        returns the seconds training was blocked, or None, having done nothing, when the
+        copy cannot serve (``save`` then)."""
         if not self.cfg.async_save or copy.step != step:
             return None
         t0 = time.perf_counter()
-        live = plain_state(state)
+        live = copy.plain
         self._buffers = buffers = fitting(live, self._take_buffers(), self.log)
         matched = slot_source.match(live, buffers, copy)
         if isinstance(matched, str):
@@ -240,11 +240,10 @@ class Checkpointer:
                      f"({matched}); staging from the device")
             return None
         staged, pairs = matched
-        url = self._begin(step)
+        url = self._begin(step, barrier=False)  # the copy-out thread meets the others
         copied: concurrent.futures.Future = concurrent.futures.Future()
         copy.hold(copied)
-        # A thread of its own per save, as DCP's async_save: one an in-job recovery left
-        # behind (``abandon``) never holds up the next.
+        # A thread per save, as DCP's: one that ``abandon`` left never holds up the next.
         pool = concurrent.futures.ThreadPoolExecutor(1, "ckpt-from-memory")
         future = pool.submit(self._write_from, copy, pairs, staged, url, copied)
         pool.shutdown(wait=False)
@@ -252,12 +251,13 @@ class Checkpointer:
 
     def _write_from(self, copy: SlotCopy, pairs: list[Any], staged: dict[str, Any], url: str,
                     copied: concurrent.futures.Future) -> Any:
-        """Copy-out thread: the copy's bytes into the buffers (then the slot is free
-        again), then DCP's save of them over the checkpoint group."""
+        """The copy's bytes into the buffers (then its slot is free), then DCP's save."""
         try:
             slot_source.fill(copy.buf, pairs)
         finally:
             copied.set_result(None)
+        if self.group is not None:  # after rank 0 removed what a killed save left
+            dist.barrier(group=self.group)
         writer = self._writer(url)[0] if layout.is_remote(url) else dcp.FileSystemWriter(
             layout.filesystem(url)[1], thread_count=self.cfg.write_threads)
         return dcp.save(staged, storage_writer=writer, process_group=self.group)

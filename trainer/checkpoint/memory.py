@@ -124,6 +124,7 @@ class MemoryTier(MemoryRestore):
         # Slots a durable save still copies out of (``copy_of``): not written until done.
         self._holds: dict[str, concurrent.futures.Future] = {}
         self._copy: SlotCopy | None = None  # the last save's copy, its bytes landed
+        self._plain: dict[str, Any] = {}
         self._cancel = threading.Event()  # set by ``abandon``: the commit in flight stops
 
     @property
@@ -167,7 +168,9 @@ class MemoryTier(MemoryRestore):
             staged = self._stage(buf, step, tokens, state)
         if buf is not None and staged is not None:
             self._copy = SlotCopy(step, buf, tuple(staged.keys), tuple(staged.segments),
-                                  lambda done: self._holds.__setitem__(slot, done))
+                                  lambda done: self._holds.__setitem__(slot, done),
+                                  self._plain)
+        self._plain = {}
         if not commit or (staged is None and not self.partnered):
             return time.perf_counter() - t0
         self.saves += 1
@@ -292,7 +295,9 @@ class MemoryTier(MemoryRestore):
         to commit, its digest still to compute (None: the state does not fit)."""
         tensors: list[torch.Tensor] = []
         keys = sorted(state)
-        tree = {k: mf.flatten(state[k].state_dict(), tensors, _is_tensor) for k in keys}
+        # Each part's state dict, kept for a durable save of this step (``copy_of``).
+        self._plain = {k: state[k].state_dict() for k in keys}
+        tree = {k: mf.flatten(self._plain[k], tensors, _is_tensor) for k in keys}
         objects = io.BytesIO()
         torch.save(tree, objects)
         blob = objects.getvalue()

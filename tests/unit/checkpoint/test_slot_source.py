@@ -6,6 +6,7 @@ never lets a byte move when any of dtype, shape, size or place disagree (fuzzed)
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import threading
 from collections.abc import Iterator
@@ -84,21 +85,13 @@ class Job:
         self.memory.save(step, self.progress.tokens, self.state, commit=commit)
         copy = self.memory.copy_of(step)
         assert copy is not None
-        return self.ckpt.save_from(step, self.state, self.progress.tokens, copy)
+        return self.ckpt.save_from(step, self.progress.tokens, copy)
 
     def snapshot(self) -> dict[str, Any]:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "opt": {i: {k: v.clone() for k, v in s.items()}
                         for i, s in enumerate(self.opt.state.values())},
                 "progress": (self.progress.step, self.progress.tokens)}
-
-
-class Box:
-    def __init__(self, value: dict[str, Any]) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.value
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -167,14 +160,16 @@ def test_a_copy_that_does_not_match_is_refused_and_nothing_is_written(
         tmp_path: Path, pg: None) -> None:
     job = Job(tmp_path)
     job.step()
-    grown = dict(job.state)
-    grown["app"] = Box({**job.state["app"].state_dict(), "extra": torch.zeros(3)})
-    job.memory.save(1, 32, grown)
+    job.memory.save(1, 32, job.state)
     copy = job.memory.copy_of(1)
     assert copy is not None
-    assert job.ckpt.save_from(1, job.state, 32, copy) is None
+    assert job.ckpt.save_from(2, 64, copy) is None  # another step's copy
+    # Segments that no longer describe the state dicts the copy was made from.
+    segs = list(copy.segments)
+    segs[0] = segs[0].model_copy(update={"shape": [*segs[0].shape, 1]})
+    bad = dataclasses.replace(copy, segments=tuple(segs))
+    assert job.ckpt.save_from(1, 32, bad) is None
     assert [line for line in job.logs if "cannot serve the save" in line]
-    assert job.ckpt.save_from(2, job.state, 64, copy) is None  # another step's copy
     assert layout.list_checkpoints(job.ckpt.store.primary.root) == []
     assert job.ckpt.save(1, job.state, 32) >= 0  # the plain save works as before
     job.ckpt.wait()
@@ -210,7 +205,7 @@ def _copy_of(state: dict[str, Any]) -> tuple[slot_source.SlotCopy, list[torch.Te
         buf[seg.offset:seg.offset + seg.nbytes] = t.contiguous().reshape(-1).view(torch.uint8) \
             .numpy().tobytes()
     return slot_source.SlotCopy(1, buf, tuple(sorted(state)), tuple(segments),
-                                lambda _f: None), tensors
+                                lambda _f: None, state), tensors
 
 
 def _buffers(tree: Any) -> Any:
@@ -230,11 +225,10 @@ def test_match_pairs_every_tensor_or_refuses(state: dict[str, Any], damage: str,
     copy, tensors = _copy_of(state)
     segs = list(copy.segments)
     if damage == "keys":
-        copy = slot_source.SlotCopy(1, copy.buf, (*copy.keys, "zz"), copy.segments,
-                                    copy.hold)
+        copy = dataclasses.replace(copy, keys=(*copy.keys, "zz"))
     elif damage == "count":
-        copy = slot_source.SlotCopy(1, copy.buf, copy.keys, tuple(segs[:-1] if segs else [
-            mf.Segment(offset=0, nbytes=0, dtype="uint8", shape=[0])]), copy.hold)
+        copy = dataclasses.replace(copy, segments=tuple(segs[:-1] if segs else [
+            mf.Segment(offset=0, nbytes=0, dtype="uint8", shape=[0])]))
     elif damage != "none" and segs:
         i = which % len(segs)
         s = segs[i]
@@ -243,7 +237,7 @@ def test_match_pairs_every_tensor_or_refuses(state: dict[str, Any], damage: str,
             "shape": {"shape": [*s.shape, 2]},
             "nbytes": {"nbytes": s.nbytes + 1},
             "offset": {"offset": len(copy.buf) + 64}}[damage])
-        copy = slot_source.SlotCopy(1, copy.buf, copy.keys, tuple(segs), copy.hold)
+        copy = dataclasses.replace(copy, segments=tuple(segs))
     else:
         damage = "none"
     buffers = _buffers(state)
