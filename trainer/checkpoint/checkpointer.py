@@ -181,11 +181,10 @@ class Checkpointer:
 
     def prepare_staging(self, state: dict[str, Any]) -> None:
         """Start allocating the staging buffers in the background (after a generation's
-        first step: the state's structure is final then). Only for asynchronous saves that
-        stage: into a filesystem, or from the memory tier's copies."""
-        staged = self.from_memory or not layout.is_remote(self.store.primary.root)
+        first step: the state's structure is final then). Only for asynchronous saves into
+        a filesystem that stage from the device (from the memory tier, see ``_write_from``)."""
         if self.staging is not None and self.cfg.async_save and self._staging_writer is None \
-                and self._buffers is None and staged:
+                and not self.from_memory and not layout.is_remote(self.store.primary.root):
             self.staging.prepare(state)
 
     def preparing(self) -> bool:
@@ -232,27 +231,29 @@ class Checkpointer:
         if not self.cfg.async_save or copy.step != step:
             return None
         t0 = time.perf_counter()
-        live = copy.plain
-        self._buffers = buffers = fitting(live, self._take_buffers(), self.log)
-        matched = slot_source.match(live, buffers, copy)
-        if isinstance(matched, str):
+        problem = slot_source.check(copy)
+        if problem is not None:
             self.log(f"checkpoint step {step}: the memory tier's copy cannot serve the save "
-                     f"({matched}); staging from the device")
+                     f"({problem}); staging from the device")
             return None
-        staged, pairs = matched
         url = self._begin(step, barrier=False)  # the copy-out thread meets the others
         copied: concurrent.futures.Future = concurrent.futures.Future()
         copy.hold(copied)
         # A thread per save, as DCP's: one that ``abandon`` left never holds up the next.
         pool = concurrent.futures.ThreadPoolExecutor(1, "ckpt-from-memory")
-        future = pool.submit(self._write_from, copy, pairs, staged, url, copied)
+        future = pool.submit(self._write_from, copy, url, copied)
         pool.shutdown(wait=False)
         return self._start(step, url, tokens, t0, future)
 
-    def _write_from(self, copy: SlotCopy, pairs: list[Any], staged: dict[str, Any], url: str,
-                    copied: concurrent.futures.Future) -> Any:
-        """The copy's bytes into the buffers (then its slot is free), then DCP's save."""
+    def _write_from(self, copy: SlotCopy, url: str, copied: concurrent.futures.Future) -> Any:
+        """The copy's bytes into host buffers (then its slot is free), then DCP's save. The
+        buffers are allocated by the first save (here, never beside a first step, which
+        recoveries are timed by), kept for the later ones."""
         try:
+            if self._buffers is None and self.staging is not None:
+                self.staging.prepare(copy.plain)
+            self._buffers = buffers = fitting(copy.plain, self._take_buffers(), self.log)
+            staged, pairs = slot_source.pair(copy, buffers)
             slot_source.fill(copy.buf, pairs)
         finally:
             copied.set_result(None)

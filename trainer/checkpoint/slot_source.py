@@ -15,10 +15,11 @@ next save into that slot waits), about a second for 6.8 GB, never the whole writ
 files are written from the buffers (tens of seconds for GBs), and the memory tier goes on
 saving into its other slot, then this one, meanwhile.
 
-``match`` pairs each tensor of the state with its segment of the copy: the state's parts in
-sorted order, each tree walked as the memory tier walked it (``memory_format.flatten``), and
-each pair checked for dtype, shape and size before a byte moves. Any mismatch is a reason,
-and the save stages from the device as without the memory tier.
+``check`` (on the training thread) and ``pair`` (in the copy-out thread, with the buffers)
+match each tensor of the state with its segment of the copy: the parts in sorted order, each
+tree walked as the memory tier walked it (``memory_format.flatten``), each pair checked for
+dtype, shape and size before a byte moves. A copy that fails the check is a reason, and the
+save stages from the device as without the memory tier.
 """
 
 from __future__ import annotations
@@ -86,27 +87,23 @@ def with_buffers(live: Any, buffers: Any, where: str) -> Any:
     return live
 
 
-def match(live: dict[str, Any], buffers: dict[str, Any], copy: SlotCopy
-          ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, mf.Segment]]] | str:
-    """The state dict to write (``live``'s values, its tensors replaced by the buffers) and
-    each buffer paired with its segment of ``copy``; or why they cannot be. Reads metadata
-    only."""
-    keys = tuple(sorted(live))
+def _against(tree: dict[str, Any], copy: SlotCopy, host: bool
+             ) -> list[tuple[torch.Tensor, mf.Segment]] | str:
+    """Each tensor of ``tree`` (its parts in sorted order, walked as the memory tier walks
+    them) with its segment of ``copy``, or why they do not correspond. ``host``: each must
+    be contiguous host memory too (a buffer to copy into). Reads metadata only."""
+    keys = tuple(sorted(tree))
     if keys != copy.keys:
         return f"the copy holds parts {list(copy.keys)}, the state {list(keys)}"
-    try:
-        staged = {k: with_buffers(live[k], buffers[k], k) for k in live}
-    except (KeyError, ValueError) as exc:
-        return f"the host buffers do not fit the state: {exc}"
     tensors: list[torch.Tensor] = []
     for k in keys:
-        mf.flatten(staged[k], tensors, lambda v: isinstance(v, torch.Tensor))
+        mf.flatten(tree[k], tensors, lambda v: isinstance(v, torch.Tensor))
     if len(tensors) != len(copy.segments):
         return f"{len(tensors)} tensors in the state, {len(copy.segments)} in the copy"
     pairs = []
     for i, (t, seg) in enumerate(zip(tensors, copy.segments, strict=True)):
         local = local_tensor(t)
-        if local.device.type != "cpu" or not local.is_contiguous():
+        if host and (local.device.type != "cpu" or not local.is_contiguous()):
             return f"tensor {i}: its buffer is not contiguous host memory"
         nbytes = local.numel() * local.element_size()
         if (str(local.dtype).removeprefix("torch.") != seg.dtype or list(local.shape) != seg.shape
@@ -114,7 +111,28 @@ def match(live: dict[str, Any], buffers: dict[str, Any], copy: SlotCopy
             return (f"tensor {i}: {local.dtype}{list(local.shape)} in the state, "
                     f"{seg.dtype}{seg.shape} ({seg.nbytes} bytes) in the copy")
         pairs.append((local, seg))
-    return staged, pairs
+    return pairs
+
+
+def check(copy: SlotCopy) -> str | None:
+    """Why the copy's segments do not describe the state dicts it was made from (None:
+    they do). Metadata only: for the training thread, before a save is started."""
+    got = _against(copy.plain, copy, host=False)
+    return got if isinstance(got, str) else None
+
+
+def pair(copy: SlotCopy, buffers: dict[str, Any]
+         ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, mf.Segment]]]:
+    """The state dict to write (the copy's state dicts, each tensor replaced by the buffer
+    at its place) and each buffer with its segment; ValueError where they do not fit."""
+    try:
+        staged = {k: with_buffers(v, buffers[k], k) for k, v in copy.plain.items()}
+    except KeyError as exc:
+        raise ValueError(f"no buffers for part {exc}") from None
+    got = _against(staged, copy, host=True)
+    if isinstance(got, list):
+        return staged, got
+    raise ValueError(got)
 
 
 def pieces(pairs: list[tuple[torch.Tensor, mf.Segment]], base: int,

@@ -103,9 +103,9 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def test_the_save_writes_the_state_at_its_step_from_the_copy(tmp_path: Path, pg: None) -> None:
     job = Job(tmp_path)
     job.step()
-    job.ckpt.prepare_staging(job.state)  # plain buffers, in the background
-    assert job.ckpt.staging is not None and not job.ckpt.staging.pinned
-    wants = {}
+    job.ckpt.prepare_staging(job.state)  # nothing ahead: the first save's thread allocates
+    assert job.ckpt.staging is not None and not job.ckpt.staging.started
+    wants, buffers = {}, []
     for _ in range(2):
         job.step()
         blocked = job.save()
@@ -113,6 +113,9 @@ def test_the_save_writes_the_state_at_its_step_from_the_copy(tmp_path: Path, pg:
         wants[job.progress.step] = job.snapshot()
         job.step()  # training goes on while the files are written
         job.ckpt.wait()
+        buffers.append(job.ckpt._buffers)
+    assert not job.ckpt.staging.pinned and job.ckpt.staging.started
+    assert buffers[0] is not None and buffers[1] is buffers[0]  # allocated once, kept
     assert not [line for line in job.logs if "cannot serve" in line or "no longer" in line]
     for step, want in wants.items():
         fresh = Job(tmp_path / f"fresh{step}", seed=1)
@@ -241,14 +244,16 @@ def test_match_pairs_every_tensor_or_refuses(state: dict[str, Any], damage: str,
     else:
         damage = "none"
     buffers = _buffers(state)
-    got = slot_source.match(state, buffers, copy)
+    problem = slot_source.check(copy)
     if damage != "none":
         TRIED["refused"] += 1
-        assert isinstance(got, str)
+        assert isinstance(problem, str)
+        with pytest.raises(ValueError):
+            slot_source.pair(copy, buffers)
         return
     TRIED["matched"] += 1
-    assert not isinstance(got, str), got
-    staged, pairs = got
+    assert problem is None
+    staged, pairs = slot_source.pair(copy, buffers)
     assert len(pairs) == len(tensors)
     moved = sum(len(slot_source.pieces([p], 0, piece)) for p in pairs)
     assert moved >= len([t for t in tensors if t.numel()])
