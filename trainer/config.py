@@ -529,11 +529,11 @@ class CheckpointConfig(_Section):
                           "DeepSpeed's saves are always synchronous."
     )
     stage_ahead: bool = Field(
-        True, description="Allocate the async save's staging buffers (pinned host memory on "
-                          "CUDA) in the background after each generation's first step and "
-                          "keep them, so no save, a generation's first included, blocks for "
-                          "the allocation. Costs one host copy of the rank's state. False: "
-                          "allocated by the first save (CUDA) or by every save (CPU).")
+        True, description="Allocate the async save's staging buffers ahead and keep them, so no "
+                          "save blocks for it: pinned, after each generation's first step (with "
+                          "the memory tier on: plain memory, in the first save's thread). Costs "
+                          "one host copy of the rank's state. False: allocated by the first "
+                          "save (CUDA, the memory tier) or by every save (CPU).")
     write_threads: int = Field(
         4, ge=1, le=64,
         description="Threads each rank writes its DCP files with (one file per thread); "
