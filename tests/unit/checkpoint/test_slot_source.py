@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +31,6 @@ from trainer.presets import PRESETS
 from trainer.state import ModelOptimState, Progress
 
 TRIED = {"matched": 0, "refused": 0}
-
-
-@pytest.fixture
-def pg(tmp_path: Path) -> Iterator[None]:
-    """A one-rank gloo group, as the trainer's checkpoint group would be."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-store", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Job:

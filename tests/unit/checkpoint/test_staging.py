@@ -5,16 +5,13 @@ fit are dropped for the old way, never used."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -25,17 +22,6 @@ from trainer.config import CheckpointConfig
 from trainer.model import build_model
 from trainer.presets import PRESETS
 from trainer.state import ModelOptimState, Progress
-
-
-@pytest.fixture
-def pg(tmp_path: Path) -> Iterator[None]:
-    """A one-rank gloo group, as the trainer's checkpoint group would be."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-store", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Trainee:
@@ -74,15 +60,15 @@ def test_the_first_save_uses_buffers_allocated_ahead_and_saves_the_state_at_the_
     t.step()
     t.ckpt.prepare_staging(t.state)  # the loop does this after a generation's first step
     assert t.ckpt.staging is not None and t.ckpt.staging.started
-    t.ckpt.staging._thread.join()  # noqa: SLF001 - allocated before the save, as on a GPU
-    prepared = t.ckpt.staging._buffers  # noqa: SLF001
+    t.ckpt.staging._thread.join()  # allocated before the save, as on a GPU
+    prepared = t.ckpt.staging._buffers
     assert prepared is not None
     for step in (2, 3):
         t.step()
         t.ckpt.save(step, t.state, 0)
         want = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
         t.ckpt.wait()
-        writer = t.ckpt._staging_writer  # noqa: SLF001
+        writer = t.ckpt._staging_writer
         assert writer is not None and writer.state_dict_cache is prepared  # reused, kept
         got = t.saved_params(step)
         assert all(torch.equal(got[k], want[k]) for k in want), step
@@ -104,7 +90,7 @@ def test_buffers_that_no_longer_fit_the_state_are_dropped_and_the_save_still_wor
         assert all(torch.equal(got[k], want[k]) for k in want)
         t.step()
     assert [line for line in t.logs if "no longer fit" in line] != []
-    writer = t.ckpt._staging_writer  # noqa: SLF001
+    writer = t.ckpt._staging_writer
     assert writer.state_dict_cache is None and not writer.cache_staged_state_dict
 
 
