@@ -144,6 +144,20 @@ def clean_fast_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) 
     return home / "run"
 
 
+@pytest.fixture
+def pg(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo group, as the trainer's checkpoint group would be (a file store: no
+    port to race other tests for)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-store", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _no_inherited_orchestrator_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # A test run from inside a rank (or a developer shell) must not leak worker settings.

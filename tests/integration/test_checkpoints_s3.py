@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from s3 import Rule, S3Endpoint, aws_env, s3_endpoint, wait_until
 
 from trainer.checkpoint import layout
@@ -47,17 +46,6 @@ def job_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = signing.write_key_file(tmp_path / "job.key")
     monkeypatch.setenv(signing.KEY_FILE_ENV, str(path))
     return path
-
-
-@pytest.fixture
-def pg(tmp_path: Path) -> Iterator[None]:
-    """A one-rank gloo group, as the trainer's checkpoint group would be."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-store", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Events:

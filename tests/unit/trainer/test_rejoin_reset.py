@@ -17,19 +17,6 @@ from orchestrator.worker.exitgc import collect_released_groups
 from trainer.parallel import reset_iteration
 
 
-@pytest.fixture
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _model() -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -51,7 +38,7 @@ def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.full_tensor().clone() for p in model.parameters()]
 
 
-def test_a_backward_cut_short_leaves_no_gradient_behind(one_rank_group,
+def test_a_backward_cut_short_leaves_no_gradient_behind(pg,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The cut: the gradient reduction fails (the peer is gone) after autograd has computed
     a module's unsharded gradients and before FSDP2 reduced them into the sharded ones."""
