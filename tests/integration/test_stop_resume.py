@@ -29,6 +29,18 @@ pytestmark = pytest.mark.slow
 STEPS = 200  # long enough (tens of ms a step) for the stop to land mid-run
 
 
+# The CLI's `down RUN_DIR` once a line comes on stdin (everything imported before).
+_DOWN_WHEN_TOLD = """
+import sys
+import orchestrator.cli.control
+from orchestrator.cli import main
+run = sys.argv[1]
+sys.stdin.readline()
+sys.argv = ["orchestrator", "down", run]
+main()
+"""
+
+
 def _progress(run: Path) -> int:
     """Rank 0's newest step, from the step records the supervisor appends as they come."""
     path = run / "steps.jsonl"
@@ -51,13 +63,22 @@ def test_down_checkpoints_at_the_stop_step_and_resume_ends_bit_identical(
                              "--run-dir", str(run)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env(),
                             start_new_session=True)
+    # `orchestrator down`, its interpreter started and the CLI imported while the job starts:
+    # under load, a cold `python -m orchestrator down` took 10 s to reach the supervisor,
+    # and the job's last 188 steps were done by then.
+    down_cli = subprocess.Popen([sys.executable, "-c", _DOWN_WHEN_TOLD, str(run)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env(),
+                                start_new_session=True)
     try:
         wait_for(lambda: _progress(run) >= 12, timeout=240, what="step 12")
-        down = subprocess.run([sys.executable, "-m", "orchestrator", "down", str(run)],
-                              capture_output=True, text=True, env=env(), timeout=200)
+        out_down, err_down = down_cli.communicate("go\n", timeout=200)
+        down = subprocess.CompletedProcess(down_cli.args, down_cli.returncode, out_down,
+                                           err_down)
         out, _ = proc.communicate(timeout=200)
     except BaseException:
         kill_run(run, proc)
+        down_cli.kill()
         raise
     finally:
         kill_strays(run)
