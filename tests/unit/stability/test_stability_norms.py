@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 from unittest import mock
 
@@ -53,18 +51,12 @@ def test_clip_grad_norm_matches_torch():
         assert torch.equal(a.grad, b.grad)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg-store", rank=rank,
+                            world_size=world)
     try:
         model = _model()
         mesh = init_device_mesh("cpu", (world,))
@@ -102,7 +94,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def test_param_and_grad_norm_under_fsdp2_match_the_unsharded_model(tmp_path):
     world = 2
-    mp.spawn(_fsdp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_fsdp_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
     ref = _model()

@@ -5,9 +5,6 @@ its first step's grad norm 1.96 where the uninterrupted run had 1.43)."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,13 +61,13 @@ def test_a_backward_cut_short_leaves_no_gradient_behind(pg,
 
 
 
-def _checked_worker(rank: int, port: int, out: str) -> None:
+def _checked_worker(rank: int, out: str) -> None:
     import json
 
     from trainer.parallel import check_before_collectives
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{out}/pg-store", rank=rank,
+                            world_size=2)
     try:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + rank))
         want = _grads(_model(), x)
@@ -118,10 +115,7 @@ def test_each_collective_of_a_step_checks_the_order_first(tmp_path) -> None:
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_checked_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_checked_worker, args=(str(tmp_path),), nprocs=2, join=True)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["wrapped"] == 3  # the three layers (the root holds no parameter)
