@@ -80,6 +80,19 @@ def _host_of(node_id: str, names: list[str]) -> str:
     return names[int(node_id.rsplit("-", 1)[1])]
 
 
+def _committed_before(run: Path, cut: float) -> set[int]:
+    """The steps whose manifest (the commit) was written before ``cut``: read right after
+    it, before a later commit can prune them."""
+    out = set()
+    for manifest in (run / "checkpoints" / "t").glob("step-*/manifest.json"):
+        try:
+            if manifest.stat().st_mtime < cut:
+                out.add(int(manifest.parent.name.removeprefix("step-")))
+        except FileNotFoundError:  # pruned meanwhile
+            continue
+    return out
+
+
 def _loaded(run: Path, generation: int) -> list[dict]:
     return [e for e in events(run, "resumed") if e.get("generation") == generation]
 
@@ -99,6 +112,7 @@ def test_node_cut_from_everything_is_replaced_and_its_ranks_stop(
         host = _host_of(victim, names)
         pids = rank_pids(run, victim, 1)
         cut = b.cut(host)
+        before_cut = _committed_before(run, cut)
         wait_for(lambda: not alive(pids), 60, interval=0.1,
                  what="the cut node's ranks to stop")
         stopped_s = time.time() - cut
@@ -120,11 +134,14 @@ def test_node_cut_from_everything_is_replaced_and_its_ranks_stop(
     assert "lease expired" in log
     assert BED_TIMEOUTS["agent_lease_s"] - 1 <= stopped_s <= BED_TIMEOUTS["agent_lease_s"] + 10
     # Nothing written after the cut by the cut generation is read: generation 2 loaded a
-    # checkpoint committed before the cut.
+    # checkpoint committed before the cut. A step takes ~0.03 s here, a beat carries 0.25 s
+    # of them: the beat with the newest steps and commit may not have left the node before
+    # the cut, so the supervisor's last step can be older than that checkpoint. The commit
+    # (its manifest, on the disk all hosts share) is what is checked.
     loaded = _loaded(run, 2)
-    assert loaded and loaded[0]["step"] <= m["step_at_fault"]
-    commit = next(e for e in events(run, "checkpoint_committed", step=loaded[0]["step"]))
-    assert commit["generation"] == 1 and commit["ts"] < cut
+    assert loaded and loaded[0]["step"] in before_cut, (loaded, before_cut)
+    for commit in events(run, "checkpoint_committed", step=loaded[0]["step"]):
+        assert commit["generation"] == 1 and commit["ts"] < cut, commit
     assert states(run)[-1] == "COMPLETED"
     final = final_state_dict(run / "checkpoints" / "t" / FINAL)
     assert_bit_identical(reference, final, PARAMS)
