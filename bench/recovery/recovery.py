@@ -96,6 +96,21 @@ PROFILES: dict[str, dict[str, Any]] = {
                  "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
                  "timeouts.training_multiplier=3", "job.warm_start=true",
                  "health.preflight=quick", "restart.backoff_initial_s=0.5"]},
+    # Both paths for a one-rank job on 1 GPU: the 1.14B model compiled at micro-batch 8, the
+    # memory tier every 20 steps (13.7 GB: the whole state on one rank), a durable save at
+    # 150; three SIGKILLs of its only rank per run. In place, the standby takes over and
+    # restores the agent's memory copy: the replacement's critical path without NCCL.
+    "gpu1": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
+             "free_steps": 0, "injections": [(100, 0, "SIGKILL"), (160, 0, "SIGKILL"),
+                                            (220, 0, "SIGKILL")],
+             "sets": [
+                 "trainer.steps=300", "trainer.data.micro_batch_size=8",
+                 "trainer.parallelism.compile=true", "checkpoint.interval_steps=150",
+                 "checkpoint.keep_last=2", "checkpoint.memory_interval_steps=20",
+                 "checkpoint.memory_max_bytes=68719476736",
+                 "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
+                 "timeouts.training_multiplier=3", "job.warm_start=true",
+                 "health.preflight=quick", "restart.backoff_initial_s=0.5"]},
     # Both paths on this CPU (the embedded default's 2 simulated nodes, gloo).
     "cpu-paths": {"config": None, "kill_step": 0, "stop_step": 0, "free_steps": 0,
                   "injections": [(60, 1, "SIGKILL"), (100, 0, "SIGKILL"), (140, 1, "SIGKILL"),

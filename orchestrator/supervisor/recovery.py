@@ -106,11 +106,16 @@ def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any
         return restart(f"the in-job recovery into generation {launch['generation']} failed "
                        "before its first step")
     world = launch.get("world_size") or 0
-    if len(replace) >= world:
+    # Every rank of a multi-rank job failing is a job-wide failure (a bad batch, the same
+    # bug everywhere): a full restart. A one-rank job's death is the one death the in-place
+    # path is for: its standby takes over and restores from the memory tier the agent kept.
+    if len(replace) >= world and world != 1:
         return restart("every rank failed")
     if progress is None or progress.generation != launch["generation"]:
         return restart("no progress of the failed generation is known")
-    unable = [r for r in range(world) if r not in replace and
+    # The survivors must be able to rejoin; a one-rank job's rank must have said it could
+    # (a script without the worker SDK's path restarts as before).
+    unable = [r for r in range(world) if (r not in replace or world == 1) and
               not (progress.ranks.get(r) is not None and progress.ranks[r].recoverable)]
     if unable:
         return restart(f"rank(s) {unable[:8]} cannot rejoin in place (not using our trainer "
@@ -126,6 +131,9 @@ def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any
         if nodes.judged_silence(node) > silent_after_s(cfg.timeouts.heartbeat_interval_s):
             return restart(f"node {node_id} of the generation is "
                            f"{nodes.silence_reason(node)}")
+    if world == 1:
+        return Path(IN_JOB, "the job's only rank replaced in place (no process to roll "
+                            "back)", replace)
     return Path(IN_JOB, f"rank(s) {replace} replaced in place; the other "
                         f"{world - len(replace)} roll back in their processes", replace)
 

@@ -199,6 +199,35 @@ def test_a_standby_takes_over_twice_in_a_row(tmp_path: Path, dataset_dir: Path,
     check_final(run, reference)
 
 
+def test_a_one_rank_jobs_death_is_taken_over_by_its_standby(tmp_path: Path,
+                                                             dataset_dir: Path) -> None:
+    """One node, one rank: its death is recovered in place too. No survivor rolls back; the
+    standby takes the rank over and restores the memory tier's copy the agent kept (not the
+    durable tier's older step), ending bit-identical to an uninterrupted one-rank run."""
+    one = {"cluster": {"nodes": 1}, "checkpoint": {"memory_interval_steps": 5}}
+    clean = write_config(tmp_path / "clean.yaml", dataset_dir, **one)
+    assert up(clean, tmp_path / "clean").returncode == 0
+    cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM, **one,
+                       chaos={"kill": [{"step": 17, "rank": 0}], "slow_steps": SPARE_TIME})
+    result = up(cfg, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    events = journal(run)
+    (failure,) = failures(events)
+    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
+    assert "only rank" in failure["recovery_reason"]
+    assert states(run) == ["PENDING", "HEALTH_CHECK", "LAUNCHING", "RUNNING", "STOPPING",
+                           "RECOVERING", "LAUNCHING", "RUNNING", "COMPLETED"]
+    assert pids(events, 2)[0] != pids(events, 1)[0]
+    header = (run / "logs" / "rank-00000.log").read_text().split(
+        "generation 2 rank 0 started")[1].splitlines()[0]
+    assert "(warm spare)" in header, header
+    (restored,) = [e for e in events if e["kind"] == "restore_tier" and e["generation"] == 2]
+    assert restored["tier"] == "memory" and restored["step"] == 15, restored
+    reference = final_state_dict(tmp_path / "clean" / "checkpoints" / "t" / f"step-{STEPS:08d}")
+    check_final(run, reference)
+
+
 def test_a_failed_in_place_recovery_falls_back_to_a_full_restart(tmp_path: Path,
                                                                  dataset_dir: Path,
                                                                  reference: dict) -> None:

@@ -115,24 +115,25 @@ def test_the_worker_sdk_takes_a_recover_order_only_when_enabled(tmp_path: Path) 
 
 # -- the supervisor's choice ----------------------------------------------------------------
 class World:
-    """A two-node job's view after a launch, on a fake clock."""
+    """A job's view after a launch (``size`` nodes of one rank, two by default), on a fake
+    clock."""
 
-    def __init__(self, root: Path, **restart: Any) -> None:
+    def __init__(self, root: Path, size: int = 2, **restart: Any) -> None:
         self.cfg = Config.model_validate({
-            "job": {"name": "t"}, "cluster": {"nodes": 2, "procs_per_node": 1},
+            "job": {"name": "t"}, "cluster": {"nodes": size, "procs_per_node": 1},
             "restart": restart})
         self.clock = FakeClock()
         self.ctx = make_context(root, self.cfg, self.clock, FakeLog())
         self.nodes = NodeRegistry(self.clock, self.ctx.record)
-        for i in range(2):
+        for i in range(size):
             node, _ = self.nodes.register(RegisterRequest(
                 node_id=f"n{i}", host="h", addr="127.0.0.1", procs=1, agent_pid=100 + i,
                 free_port=20000 + i))
             self.nodes.move(node, NodeState.ACTIVE, node_rank=i)
-        self.ctx.record(ev.GenerationLaunched(generation=1, world_size=2,
-                                              nodes={"n0": 0, "n1": 1}))
+        self.ctx.record(ev.GenerationLaunched(generation=1, world_size=size,
+                                              nodes={f"n{i}": i for i in range(size)}))
         self.progress = ProgressTracker(root / "steps.jsonl", self.clock, self.ctx.record)
-        self.progress.start_generation(1, 2)
+        self.progress.start_generation(1, size)
 
     def beat(self, rank: int, recoverable: bool) -> None:
         self.progress.on_ranks(1, [RankInfo(rank=rank, local_rank=0, step=5,
@@ -174,6 +175,28 @@ def test_in_job_is_taken_only_when_every_condition_holds(tmp_path: Path) -> None
     assert w.path().in_job
     w.nodes.move(w.nodes.nodes["n0"], NodeState.LOST, reason="silent")
     assert "node n0 of the generation is lost" in w.path().reason
+
+
+def test_a_one_rank_jobs_death_is_replaced_in_place(tmp_path: Path) -> None:
+    """Its only rank is every rank, but one death, not a job-wide failure: the standby takes
+    over. Every rank of a larger job failing still restarts it."""
+    one = World(tmp_path / "one", size=1)
+    one.beat(0, False)  # a script without the worker SDK's in-job path: restarted
+    assert "rank(s) [0] cannot rejoin in place" in one.path(replace=[0]).reason
+    one.beat(0, True)
+    path = one.path(replace=[0])
+    assert path.in_job and path.replace == [0]
+    assert "only rank" in path.reason
+    assert "no rank to replace" in one.path(replace=[]).reason
+    assert "node_lost failure restarts every rank" in one.path(Cause.NODE_LOST,
+                                                                replace=[0]).reason
+    one.nodes.move(one.nodes.nodes["n0"], NodeState.LOST, reason="silent")
+    assert "node n0 of the generation is lost" in one.path(replace=[0]).reason
+    three = World(tmp_path / "three", size=3)
+    for rank in range(3):
+        three.beat(rank, True)
+    assert three.path(replace=[0, 1, 2]).reason == "every rank failed"
+    assert three.path(replace=[0, 2]).in_job
 
 
 def test_a_failed_in_place_generation_is_recovered_by_a_restart(tmp_path: Path) -> None:
