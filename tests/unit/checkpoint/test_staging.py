@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from trainer.checkpoint import layout
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.retry import retrying
-from trainer.checkpoint.staging import fits
+from trainer.checkpoint.staging import fits, host_like
 from trainer.checkpoint.store import open_store
 from trainer.config import CheckpointConfig
 from trainer.model import build_model
@@ -139,6 +140,7 @@ def test_buffers_fit_a_state_of_their_own_shape_and_nothing_else(tree: Any) -> N
     checking copies nothing into them."""
     buffers = _like(tree)
     assert fits(tree, buffers)
+    assert fits(tree, host_like(tree))
     wrapped = {"a": tree}
     assert not fits({"a": tree, "b": 1}, {"a": buffers})  # a key more
     assert not fits([tree, tree], [buffers])  # a list longer
@@ -152,6 +154,45 @@ def test_buffers_fit_a_state_of_their_own_shape_and_nothing_else(tree: Any) -> N
                 else t
         assert not fits(grow(tree), buffers)
     assert fits(wrapped, {"a": buffers})
+
+
+def test_host_buffers_take_the_layout_dcp_builds_without_reading_a_tensor(pg: None) -> None:
+    """``host_like`` gives DCP's ``_create_cpu_state_dict`` layout (a DTensor of the same
+    spec over a host shard, 0-d tensors, other values kept) from tensors it never reads:
+    here they live on the meta device, which has no bytes to copy (DCP's own copies every
+    DTensor to the host first, and fails on them)."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    live = {"model": {"w": weight, "b": torch.randn(4, dtype=torch.bfloat16)},
+            "optim": {"state": {"0": {"step": torch.tensor(3.0), "exp_avg": weight}},
+                      "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+            "empty": torch.zeros(0, 3), "note": "kept", "pair": (1, torch.ones(2))}
+    meta_weight = DTensor(weight._local_tensor.to("meta"), weight._spec, requires_grad=False)
+    on_meta = {**live, "model": {"w": meta_weight, "b": live["model"]["b"].to("meta")}}
+    with pytest.raises(NotImplementedError):
+        _create_cpu_state_dict(on_meta)
+    ours, dcps = host_like(on_meta), _create_cpu_state_dict(live)
+    assert fits(live, ours) and fits(dcps, ours)
+
+    def layout_of(obj: Any) -> Any:
+        if isinstance(obj, DTensor):
+            return ("dtensor", obj._spec.placements, obj._spec.mesh.mesh.tolist(),
+                    tuple(obj.shape), layout_of(obj._local_tensor))
+        if isinstance(obj, torch.Tensor):
+            return ("tensor", obj.device.type, obj.dtype, tuple(obj.shape), obj.is_pinned())
+        if isinstance(obj, dict):
+            return {k: layout_of(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return type(obj)(layout_of(v) for v in obj)
+        return obj
+
+    ours_cpu = host_like(live)
+    assert layout_of(ours_cpu) == layout_of(dcps)
+    assert layout_of(ours) == layout_of(dcps)
 
 
 def test_a_job_ends_with_keep_last_local_checkpoints_though_uploads_lagged(
