@@ -7,7 +7,8 @@ format and the manifest are ``memory_format``'s.
 
 **Saving** (``save``, every ``checkpoint.memory_interval_steps`` steps): the manifest of
 the older of the rank's two slots is removed and the state's tensors are copied into that
-slot (device-to-host on a GPU): training waits for this copy only. A commit thread then
+slot (device-to-host on a GPU; with ``overlap``, on a stream of their own beside the next
+step, ``memory_landing``): training waits for this copy only. A commit thread then
 digests the slot's bytes (BLAKE3), signs the manifest and renames it into place: the
 commit. With a partner, each rank's commit thread then sends its slot (bytes and manifest)
 to the rank at the same local index on the next node, over a gloo group of the tier's own,
@@ -33,6 +34,7 @@ of the fresh state dict and hands the filled state to each part's ``load_state_d
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import io
 import mmap
@@ -47,6 +49,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
+from trainer.checkpoint.memory_landing import CopyStream, Landing
 from trainer.checkpoint.memory_load import await_copies, objects_digest
 from trainer.checkpoint.memory_restore import MemoryRestore
 from trainer.checkpoint.memory_slots import (
@@ -90,8 +93,13 @@ class MemoryTier(MemoryRestore):
                  job: str, config_hash: str | None, generation: int, partner: bool,
                  group: Any, trust: Callable[[], signing.Trust | None],
                  log: Callable[[str], None], device_type: str = "cpu",
-                 pin_restore: bool = False, ahead: DigestAhead | None = None) -> None:
+                 pin_restore: bool = False, ahead: DigestAhead | None = None,
+                 overlap: bool = False) -> None:
         self.slots = Slots.shared(root)
+        # A GPU's copies land beside the next step (``memory_landing``): only where every
+        # change to the state is an optimizer step (our trainer), not a script's own loop.
+        self.overlap = overlap and device_type == "cuda"
+        self._copies: CopyStream | None = None
         self._ahead = ahead  # this rank's own newest copy, digested since the start
         self.pin_restore = pin_restore and device_type == "cuda"
         self._pinned: list[Pinned] = []
@@ -123,7 +131,8 @@ class MemoryTier(MemoryRestore):
         self._preparation: concurrent.futures.Future | None = None  # prepare_saves's
         # Slots a durable save still copies out of (``copy_of``): not written until done.
         self._holds: dict[str, concurrent.futures.Future] = {}
-        self._copy: SlotCopy | None = None  # the last save's copy, its bytes landed
+        self._copy: SlotCopy | None = None  # the last save's copy (``landed`` waits for it)
+        self._landing: Landing | None = None  # the copies ``_stage`` just issued
         self._plain: dict[str, Any] = {}
         self._cancel = threading.Event()  # set by ``abandon``: the commit in flight stops
 
@@ -166,10 +175,11 @@ class MemoryTier(MemoryRestore):
             self._await_hold(slot)
             self.slots.uncommit("own", self.rank, slot)
             staged = self._stage(buf, step, tokens, state)
+        landing, self._landing = self._landing, None
         if buf is not None and staged is not None:
             self._copy = SlotCopy(step, buf, tuple(staged.keys), tuple(staged.segments),
                                   lambda done: self._holds.__setitem__(slot, done),
-                                  self._plain)
+                                  self._plain, landing.wait if landing is not None else None)
         self._plain = {}
         if not commit or (staged is None and not self.partnered):
             return time.perf_counter() - t0
@@ -177,7 +187,8 @@ class MemoryTier(MemoryRestore):
         prepare = None
         if not self._prepared and staged is not None:  # a fresh run's first save
             self._prepared, prepare = True, staged.data_bytes
-        self._pending = self._executor.submit(self._commit, slot, buf, staged, prepare)
+        self._pending = self._executor.submit(self._commit, slot, buf, staged, prepare,
+                                              landing)
         return time.perf_counter() - t0
 
     def copy_of(self, step: int) -> SlotCopy | None:
@@ -313,12 +324,16 @@ class MemoryTier(MemoryRestore):
             self._disable(f"the state needs {end} bytes, a slot holds {len(buf)} "
                           "(raise checkpoint.memory_max_bytes)")
             return None
-        with torch.no_grad():
+        devices = {local_tensor(t).device for t in tensors if local_tensor(t).is_cuda}
+        copies = self._copy_stream(devices)
+        with torch.no_grad(), copies.begin() if copies is not None else contextlib.nullcontext():
             for t, seg in zip(tensors, segments, strict=True):
                 if seg.nbytes:
                     _to_slot(buf, seg.offset, local_tensor(t).detach().contiguous(), seg.nbytes)
-        if self.device_type == "cuda":  # the copies must land before training moves on
-            await_copies({local_tensor(t).device for t in tensors if local_tensor(t).is_cuda})
+        if copies is not None:  # they land beside the next step; the optimizer waits
+            self._landing = copies.end()
+        elif self.device_type == "cuda":  # the copies must land before training moves on
+            await_copies(devices)
         buf[offset:end] = blob
         self.last_bytes, self.staged_step = end, step
         return mf.MemoryManifest(
@@ -327,12 +342,23 @@ class MemoryTier(MemoryRestore):
             keys=keys, segments=segments, objects=mf.Blob(offset=offset, nbytes=len(blob)),
             data_bytes=end, digest="blake3:" + "0" * 64, objects_digest=objects_digest(blob))
 
+    def _copy_stream(self, devices: set[torch.device]) -> CopyStream | None:
+        """The copy stream of the rank's one GPU, with ``overlap`` (None otherwise)."""
+        if not self.overlap or len(devices) != 1:
+            return None
+        if self._copies is None:
+            self._copies = CopyStream(next(iter(devices)))
+        return self._copies
+
     def _commit(self, slot: str, buf: mmap.mmap | None, staged: mf.MemoryManifest | None,
-                prepare: int | None = None) -> None:
-        """Background: digest the staged bytes, sign and commit the manifest, then trade
-        copies with the partner (on the tier's own group, never the training thread's);
-        then, after a fresh run's first save, prepare the slots for ``prepare`` bytes."""
+                prepare: int | None = None, landing: Landing | None = None) -> None:
+        """Background: digest the staged bytes once they have landed, sign and commit the
+        manifest, then trade copies with the partner (on the tier's own group, never the
+        training thread's); then, after a fresh run's first save, prepare the slots for
+        ``prepare`` bytes."""
         try:
+            if landing is not None and not landing.wait(self._cancel):
+                return  # an in-job recovery: this copy of the abandoned steps is not kept
             self._commit_copy(slot, buf, staged)
         finally:
             if prepare is not None:
@@ -426,9 +452,18 @@ class MemoryTier(MemoryRestore):
                     dropped.append(f"{kind} r{rank} step {c.manifest.step}")
         return dropped
 
+    def load(self, plan: Any, state: dict[str, Any]) -> None:
+        """As ``MemoryRestore.load``, after the last save's copies on the device: the
+        restore overwrites the tensors they read (a rollback)."""
+        if self._copies is not None:
+            self._copies.fence()
+        super().load(plan, state)
+
     def close(self) -> None:
         """Stop the commit thread (a save still in flight finishes, bounded by the group's
         timeout when a partner is gone) and unmap the slots."""
+        if self._copies is not None:
+            self._copies.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for slot in list(self._holds):  # a copy out of a slot is local and short
             self._await_hold(slot)

@@ -44,7 +44,8 @@ MAX_THREADS = 4
 
 @dataclass(frozen=True)
 class SlotCopy:
-    """The memory tier's copy of ``step`` in one of its slots, its bytes landed; ``hold``
+    """The memory tier's copy of ``step`` in one of its slots (its bytes landed, or
+    landing beside the next step: ``landed`` waits for them); ``hold``
     keeps the slot as it is until the given future is done. ``plain``: each part's state
     dict that the copy was made from (a durable save of the step writes its plain values,
     and asks no part for its state dict again: for a sharded optimizer that costs tens of
@@ -56,6 +57,7 @@ class SlotCopy:
     segments: tuple[mf.Segment, ...]
     hold: Callable[[concurrent.futures.Future], None]
     plain: dict[str, Any]
+    landed: Callable[[], Any] | None = None  # waits until the copy's bytes have landed
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +126,10 @@ def check(copy: SlotCopy) -> str | None:
 def pair(copy: SlotCopy, buffers: dict[str, Any]
          ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, mf.Segment]]]:
     """The state dict to write (the copy's state dicts, each tensor replaced by the buffer
-    at its place) and each buffer with its segment; ValueError where they do not fit."""
+    at its place) and each buffer with its segment; ValueError where they do not fit. In
+    the copy-out thread: it first waits for the copy's bytes to land (``copy.landed``)."""
+    if copy.landed is not None:
+        copy.landed()
     try:
         staged = {k: with_buffers(v, buffers[k], k) for k, v in copy.plain.items()}
     except KeyError as exc:

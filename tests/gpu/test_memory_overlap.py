@@ -1,0 +1,83 @@
+"""The memory tier's copies land beside the next step on a GPU (``memory_landing``): the
+copy committed is the state at the save, though the next step's forward and backward ran
+while it moved and its optimizer step changed every tensor it read right after. Runs on
+the lent GPU; skipped elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator.agent.memory import NodeMemory
+from trainer.checkpoint import signing
+from trainer.checkpoint.memory import MemoryTier
+
+pytestmark = pytest.mark.gpu
+
+TRUST = signing.Trust(b"k" * 32)
+
+
+class Box:
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd
+
+
+def _flat(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"p.{n}": p for n, p in model.named_parameters()}
+    for i, p in enumerate(model.parameters()):
+        for k, v in opt.state[p].items():
+            out[f"s{i}.{k}"] = v
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_copy_landing_beside_the_next_step_is_the_state_at_the_save(tmp_path: Path) -> None:
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(8192, 4096, device=dev)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    step()
+    state = {"train": Box(_flat(model, opt))}
+    nbytes = sum(t.numel() * t.element_size() for t in state["train"].value.values())
+    mem = NodeMemory(tmp_path, tmp_path / "run", "n0")
+    mem.provision([0], 1, 1, nbytes + 2**24, partner=False)
+    tier = MemoryTier(mem.path, rank=0, world_size=1, procs_per_node=1, job="j",
+                      config_hash="c", generation=1, partner=False, group=None,
+                      trust=lambda: TRUST, log=print, device_type="cuda", overlap=True)
+    tier.prepare_saves(state)  # page-locks the slots: the copies are truly asynchronous
+    tier.wait()
+    try:
+        for save_step in (1, 2, 3):
+            torch.cuda.synchronize()
+            want = {k: v.detach().cpu().clone() for k, v in state["train"].value.items()}
+            tier.save(save_step, 0, state)
+            step()  # forward, backward and an update of every tensor the copy reads
+            tier.wait()
+            torch.cuda.synchronize()
+            changed = [k for k, v in want.items() if not torch.equal(
+                v, state["train"].value[k].cpu())]
+            assert changed, "the next step changed nothing: the test shows nothing"
+            got = {"train": Box({k: torch.zeros_like(v) for k, v in want.items()})}
+            plan = tier.plan(durable_step=None, max_step=None)
+            assert plan.use and plan.step == save_step, plan.reason
+            tier.load(plan, got)
+            wrong = [k for k, v in want.items() if not torch.equal(v, got["train"].value[k])]
+            assert not wrong, f"save {save_step}: {len(wrong)} tensors differ: {wrong[:4]}"
+    finally:
+        tier.close()
