@@ -100,6 +100,12 @@ def digest_ahead(settings: WorkerSettings, ctx: WorkerContext) -> Any:
     return DigestAhead(Path(ctx.memory_dir), ctx.rank, ctx.resume_max_step)
 
 
+def persistent_buffers(model: Any) -> list[str]:
+    """The names in ``model``'s state dict that are not parameters (persistent buffers)."""
+    params = {name for name, _ in model.named_parameters()}
+    return [k for k in model.state_dict() if k not in params]
+
+
 def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
                       checkpointer: Checkpointer, backend: Backend,
                       log: Callable[[str], None], ahead: Any = None) -> Any:
@@ -182,6 +188,12 @@ def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,
             f"{cfg.model.init_from_hf}")
     elif choice is None:
         log("no checkpoint found: starting from scratch")
+    if memory is not None and memory.overlap and persistent_buffers(model):
+        # A buffer the forward may change in place (batch-norm statistics, DDP's buffer
+        # broadcast): only an optimizer step may change what the copies read beside it.
+        memory.overlap = False
+        log(f"memory tier: the model has persistent buffers ({persistent_buffers(model)[:3]}"
+            "): its copies land before the next step")
     optimizer = backend.build_optimizer(model, settings, dctx)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps, lr_scale=ctx.lr_scale)
     stepper = backend.build_stepper(model, optimizer, scheduler, settings, dctx)

@@ -5,6 +5,8 @@ the lent GPU; skipped elsewhere."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +57,11 @@ def test_a_copy_landing_beside_the_next_step_is_the_state_at_the_save(tmp_path: 
     step()
     state = {"train": Box(_flat(model, opt))}
     nbytes = sum(t.numel() * t.element_size() for t in state["train"].value.values())
-    mem = NodeMemory(tmp_path, tmp_path / "run", "n0")
-    mem.provision([0], 1, 1, nbytes + 2**24, partner=False)
+    # Slots on shared memory, as the agent makes them (a file on disk cannot be page-locked),
+    # each of the two own slots holding the whole state.
+    shm = Path(tempfile.mkdtemp(prefix="orch-test-", dir="/dev/shm"))
+    mem = NodeMemory(shm, tmp_path / "run", "n0")
+    mem.provision([0], 1, 1, 2 * (nbytes + 2**26), partner=False)
     tier = MemoryTier(mem.path, rank=0, world_size=1, procs_per_node=1, job="j",
                       config_hash="c", generation=1, partner=False, group=None,
                       trust=lambda: TRUST, log=print, device_type="cuda", overlap=True)
@@ -81,3 +86,4 @@ def test_a_copy_landing_beside_the_next_step_is_the_state_at_the_save(tmp_path: 
             assert not wrong, f"save {save_step}: {len(wrong)} tensors differ: {wrong[:4]}"
     finally:
         tier.close()
+        shutil.rmtree(shm, ignore_errors=True)
