@@ -4,7 +4,8 @@
 time moves only when a test advances it (or awaits ``sleep``, which advances it at once),
 so deadlines and timeouts are asserted exactly, on loop time in kopf's sense.
 ``make_intake`` wires an ``Intake`` as the supervisor does; ``begin_generation`` gives a
-test that drives it the launch's ``Generation``.
+test that drives it the launch's ``Generation``. ``Box`` is a checkpointable part (a
+``Stateful``) holding a dict of tensors and plain values.
 """
 
 from __future__ import annotations
@@ -102,3 +103,16 @@ def begin_generation(intake: Intake, number: int, world_size: int) -> Generation
                             chaos=ChaosDesk(intake.ctx, intake.nodes),
                             superseded=SupersededNodes(intake.ctx, intake.nodes))
     return parts.begin(number, world_size)
+
+
+class Box:
+    """A Stateful holding a dict of tensors and plain values."""
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd

@@ -8,10 +8,10 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from fakes import Box
 
 from orchestrator.agent.memory import NodeMemory
 from trainer.checkpoint import signing
@@ -21,16 +21,6 @@ pytestmark = pytest.mark.gpu
 
 TRUST = signing.Trust(b"k" * 32)
 
-
-class Box:
-    def __init__(self, value: dict[str, Any]) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.value
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.value = sd
 
 
 def _flat(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

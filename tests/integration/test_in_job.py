@@ -53,6 +53,20 @@ def failures(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "failure"]
 
 
+def recovered_once_in_place(cfg: Path, run: Path
+                            ) -> tuple[Path, list[dict[str, Any]], dict[str, Any]]:
+    """Run the job to its end; it failed once and recovered in place, with no health check
+    and no stop (the survivors, if any, went straight on). Its run, journal and failure."""
+    result = up(cfg, run)
+    assert result.returncode == 0, result.stdout[-4000:]
+    events = journal(run)
+    (failure,) = failures(events)
+    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
+    assert states(run) == ["PENDING", "HEALTH_CHECK", "LAUNCHING", "RUNNING", "STOPPING",
+                           "RECOVERING", "LAUNCHING", "RUNNING", "COMPLETED"]
+    return run, events, failure
+
+
 def check_final(run: Path, reference: dict) -> None:
     final = final_state_dict(run / "checkpoints" / "t" / f"step-{STEPS:08d}")
     assert assert_bit_identical(reference, final, PREFIXES) > 30
@@ -62,16 +76,8 @@ def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: 
                                                    reference: dict) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        chaos={"kill": [{"step": 17, "rank": 1}], "slow_steps": SPARE_TIME})
-    result = up(cfg, tmp_path / "run")
-    assert result.returncode == 0, result.stdout[-4000:]
-    run = tmp_path / "run"
-    events = journal(run)
-    (failure,) = failures(events)
+    run, events, failure = recovered_once_in_place(cfg, tmp_path / "run")
     assert failure["cause"] == "worker_exit" and failure["rank"] == 1
-    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
-    # No health check and no stop: the survivors went straight on.
-    assert states(run) == ["PENDING", "HEALTH_CHECK", "LAUNCHING", "RUNNING", "STOPPING",
-                           "RECOVERING", "LAUNCHING", "RUNNING", "COMPLETED"]
     launches = [e for e in events if e["kind"] == "generation_launched"]
     assert launches[1]["in_place"] is True and launches[1]["replaced"] == [1]
     first, second = pids(events, 1), pids(events, 2)
@@ -209,15 +215,8 @@ def test_a_one_rank_jobs_death_is_taken_over_by_its_standby(tmp_path: Path,
     assert up(clean, tmp_path / "clean").returncode == 0
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM, **one,
                        chaos={"kill": [{"step": 17, "rank": 0}], "slow_steps": SPARE_TIME})
-    result = up(cfg, tmp_path / "run")
-    assert result.returncode == 0, result.stdout[-4000:]
-    run = tmp_path / "run"
-    events = journal(run)
-    (failure,) = failures(events)
-    assert failure["recovery_path"] == "in_job", failure["recovery_reason"]
+    run, events, failure = recovered_once_in_place(cfg, tmp_path / "run")
     assert "only rank" in failure["recovery_reason"]
-    assert states(run) == ["PENDING", "HEALTH_CHECK", "LAUNCHING", "RUNNING", "STOPPING",
-                           "RECOVERING", "LAUNCHING", "RUNNING", "COMPLETED"]
     assert pids(events, 2)[0] != pids(events, 1)[0]
     header = (run / "logs" / "rank-00000.log").read_text().split(
         "generation 2 rank 0 started")[1].splitlines()[0]

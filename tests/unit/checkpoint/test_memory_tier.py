@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from fakes import Box
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,18 +26,6 @@ from trainer.state import Progress
 KEY = b"k" * 32
 TRUST = signing.Trust(KEY)
 
-
-class Box:
-    """A Stateful holding a dict of tensors and plain values."""
-
-    def __init__(self, value: dict[str, Any]) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.value
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.value = sd
 
 
 def state(seed: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import blake3
 import pytest
 import torch
 from _checkpoint_files import KEY, TRUST
+from fakes import Box
 
 from trainer.checkpoint import layout, signing
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -53,17 +54,6 @@ while True:
             print("swapped", flush=True)
             sys.exit(0)
 """
-
-
-class Box:
-    def __init__(self, value: dict[str, Any]) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.value
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.value = sd
 
 
 def _state(seed: float) -> dict[str, Any]:
