@@ -186,14 +186,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _group_shared_setups(items: list[pytest.Item]) -> None:
     """Tests that use a module- or class-scoped fixture run on one worker, in the group of
     their module, so the fixture (often a whole training run) is built once, as in a serial
-    run. Tests with an ``xdist_group`` of their own (a machine-wide resource) keep it; all
-    others are spread one by one."""
+    run. Tests with an ``xdist_group`` of their own (a machine-wide resource) keep it; GPU
+    tests share one (the device, and the fixed store ports of NCCL's groups); all others
+    are spread one by one."""
     # A module whose fuzz-count test checks how many cases its other tests tried reads
     # counters those tests filled in this process: the module runs on one worker.
     tallied = {item.nodeid.split("::", 1)[0] for item in items
                if re.fullmatch(r"test_\w*fuzz\w*_counts?", item.name)}
     for item in items:
         if item.get_closest_marker("xdist_group"):
+            continue
+        if item.get_closest_marker("gpu"):  # one device, and fixed ports for NCCL's store
+            item.add_marker(pytest.mark.xdist_group("gpu"))
             continue
         if item.nodeid.split("::", 1)[0] in tallied:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
