@@ -2,8 +2,8 @@
 
 The preload hook and the SDK install faulthandler on SIGUSR1, but a rank may not have it:
 the hook was bypassed, or the script reset or replaced the handler. SIGUSR1's default action
-kills the process, so the agent asks ``/proc`` first and, where no handler would run, reads
-the stacks from outside with ``py-spy dump --nonblocking`` (a PyPI dependency), which works
+kills the process, so the agent asks ``/proc`` first and, where no handler would run (none
+installed, or the process is stopped), reads the stacks from outside with ``py-spy dump --nonblocking`` (a PyPI dependency), which works
 on a running or a stopped process and never pauses or kills it.
 """
 
@@ -47,10 +47,10 @@ def stopped(pid: int) -> bool:
 
 
 def needs_outside_dump(pid: int, sig: signal.Signals = signal.SIGUSR1) -> bool:
-    """The signal would kill ``pid`` (no handler): take its stacks from outside. A stopped
-    rank that has the handler gets the signal: it stays pending until the supervisor's
-    SIGCONT, and faulthandler answers it then."""
-    return catches(pid, sig) is False
+    """Take ``pid``'s stacks from outside: the signal would kill it (no handler), or it is
+    stopped. A stopped rank stays stopped: it was judged hung, and waking it so its handler
+    could answer would let it train on, and commit checkpoints, until its kill."""
+    return stopped(pid) or catches(pid, sig) is False
 
 
 def pyspy() -> str | None:

@@ -350,19 +350,16 @@ class GenerationParts:
         return f"final checkpoint at step {newest}"
 
     async def dump_stacks(self, generation: int) -> list[str]:
-        """Every rank writes its Python stacks (faulthandler on SIGUSR1) before the kill.
-
-        SIGCONT follows so a stopped process wakes to take the pending SIGUSR1; it is about
-        to be stopped for good anyway.
-        """
+        """Every rank writes its Python stacks (faulthandler on SIGUSR1) before the kill;
+        its agent reads a stopped rank's from outside (py-spy) and leaves it stopped, so a
+        rank judged hung cannot wake and train on until its kill."""
         ppn = self.cfg.cluster.procs_per_node
         for node in self.nodes.active():
             if node.node_rank is None or node.state is not NodeState.ACTIVE:
                 continue
             ranks = range(node.node_rank * ppn, (node.node_rank + 1) * ppn)
             # One assignment change per node carries all its ranks' orders.
-            await self.nodes.send_signals(node.node_id, [
-                *((r, "SIGUSR1") for r in ranks), *((r, "SIGCONT") for r in ranks)])
+            await self.nodes.send_signals(node.node_id, [(r, "SIGUSR1") for r in ranks])
         stacks = str(self.ctx.rundir.stacks)
         wanted = [stack_file_name(generation, r) for r in range(self.cfg.cluster.world_size)]
         clock = self.ctx.clock
