@@ -98,11 +98,12 @@ PROFILES: dict[str, dict[str, Any]] = {
                  "health.preflight=quick", "restart.backoff_initial_s=0.5"]},
     # Both paths for a one-rank job on 1 GPU: the 1.14B model compiled at micro-batch 8, the
     # memory tier every 20 steps (13.7 GB: the whole state on one rank), a durable save at
-    # 150; three SIGKILLs of its only rank per run. In place, the standby takes over and
-    # restores the agent's memory copy: the replacement's critical path without NCCL.
+    # 150; three SIGKILLs and one SIGSTOP of its only rank per run. In place, the standby
+    # takes over and restores the agent's memory copy: the replacement's critical path
+    # without NCCL.
     "gpu1": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
              "free_steps": 0, "injections": [(100, 0, "SIGKILL"), (160, 0, "SIGKILL"),
-                                            (220, 0, "SIGKILL")],
+                                            (220, 0, "SIGKILL"), (265, 0, "SIGSTOP")],
              "sets": [
                  "trainer.steps=300", "trainer.data.micro_batch_size=8",
                  "trainer.parallelism.compile=true", "checkpoint.interval_steps=150",

@@ -78,7 +78,10 @@ def _stopped_beating(suspects: list[dict[str, Any]], beat_s: float,
     fresh = [r for r, a in ages if a is not None and a <= 1.5 * beat_s]
     stale = sorted({r for r, a in ages if a is not None and a > 2 * beat_s})
     others_beat = world_size is not None and len({r for r, _ in ages}) < world_size
-    return stale if (fresh or others_beat) and stale else []
+    # A one-rank job has no peer to tell a stopped rank from a late host; its rank's beats
+    # stopped with its progress, and either way the rank is the one to replace (a failed
+    # takeover falls back to a restart).
+    return stale if (fresh or others_beat or world_size == 1) and stale else []
 
 
 def choose_path(cfg: Config, view: JobView, cause: Cause, failure: dict[str, Any],

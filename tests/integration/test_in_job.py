@@ -205,18 +205,31 @@ def test_a_standby_takes_over_twice_in_a_row(tmp_path: Path, dataset_dir: Path,
     check_final(run, reference)
 
 
+@pytest.mark.parametrize("signal", ["SIGKILL", "SIGSTOP"])
 def test_a_one_rank_jobs_death_is_taken_over_by_its_standby(tmp_path: Path,
-                                                             dataset_dir: Path) -> None:
-    """One node, one rank: its death is recovered in place too. No survivor rolls back; the
-    standby takes the rank over and restores the memory tier's copy the agent kept (not the
-    durable tier's older step), ending bit-identical to an uninterrupted one-rank run."""
+                                                             dataset_dir: Path,
+                                                             signal: str) -> None:
+    """One node, one rank: its death or hang is recovered in place too. No survivor rolls
+    back; the standby takes the rank over (a stopped rank is killed first) and restores the
+    memory tier's copy the agent kept (not the durable tier's older step), ending
+    bit-identical to an uninterrupted one-rank run."""
     one = {"cluster": {"nodes": 1}, "checkpoint": {"memory_interval_steps": 5}}
     clean = write_config(tmp_path / "clean.yaml", dataset_dir, **one)
     assert up(clean, tmp_path / "clean").returncode == 0
+    # The hang is judged after 4 s: each generation's slow third step (3 s) is no hang.
+    hang = {"timeouts": {**HANG_TIMEOUTS, "training_floor_s": 4.0}} \
+        if signal == "SIGSTOP" else {}
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM, **one,
-                       chaos={"kill": [{"step": 17, "rank": 0}], "slow_steps": SPARE_TIME})
+                       **hang, chaos={"kill": [{"step": 17, "rank": 0, "signal": signal}],
+                                      "slow_steps": SPARE_TIME})
     run, events, failure = recovered_once_in_place(cfg, tmp_path / "run")
     assert "only rank" in failure["recovery_reason"]
+    assert failure["cause"] == ("hang" if hang else "worker_exit") and failure["rank"] == 0
+    if hang:  # its stacks read from outside; it stayed stopped until its kill
+        (stack,) = failure["stacks"]
+        assert "stacks read from outside by py-spy" in Path(stack).read_text()
+        assert not [e for e in events if e["kind"] == "checkpoint_committed"
+                    and e["generation"] == 1 and e["step"] > 17]
     assert pids(events, 2)[0] != pids(events, 1)[0]
     header = (run / "logs" / "rank-00000.log").read_text().split(
         "generation 2 rank 0 started")[1].splitlines()[0]

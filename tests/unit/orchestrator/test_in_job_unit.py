@@ -230,7 +230,11 @@ def test_the_ranks_to_replace_are_the_failed_or_silent_ones() -> None:
     # rank is judged at the floor, its blocked peer not yet.
     alone = {"suspects": [{"rank": 0, "silent": False, "beat_age_s": 1.02}]}
     assert recovery.failed_ranks(Cause.HANG, alone, {}, beat_s=0.5, world_size=2) == [0]
-    assert recovery.failed_ranks(Cause.HANG, alone, {}, beat_s=0.5, world_size=1) == []
+    # A one-rank job: its stopped rank is the one to replace; one still beating is not
+    # named (a stuck step that beats restarts, as every rank stuck does in a larger job).
+    assert recovery.failed_ranks(Cause.HANG, alone, {}, beat_s=0.5, world_size=1) == [0]
+    beating = {"suspects": [{"rank": 0, "silent": False, "beat_age_s": 0.4}]}
+    assert recovery.failed_ranks(Cause.HANG, beating, {}, beat_s=0.5, world_size=1) == []
     assert recovery.failed_ranks(Cause.HANG, late, {}, beat_s=0.5, world_size=2) == []
     fresh = {"suspects": [{"rank": 1, "silent": False, "beat_age_s": 0.4},
                           {"rank": 0, "silent": False, "beat_age_s": None}]}
