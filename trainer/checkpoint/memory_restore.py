@@ -33,6 +33,9 @@ class Plan:
     verify_s: float = 0.0
     durable_step: int | None = None  # the durable tier's newest committed step
     slot: str | None = None  # this rank's own slot holding the copy
+    # The digest of this rank's own copy is still being computed ahead (``DigestAhead``):
+    # ``load`` waits for it and compares before it copies, so the model is built meanwhile.
+    digest_pending: bool = False
     # Wall-clock ends of the plan's parts (listed, gathered, verified, transferred) and of
     # the digests computed ahead: where a restore's wait goes, on the recovery's time line.
     at: dict[str, float] = field(default_factory=dict)
@@ -84,19 +87,35 @@ class MemoryRestore:
         held = usable("partner", self.held) if self.partnered else {}
         return own, held, notes
 
-    def _verify(self, copy: Copy, rank: int) -> tuple[memoryview | None, str | None]:
+    def _verify(self, copy: Copy, rank: int, defer: bool = False
+                ) -> tuple[memoryview | None, str | None]:
+        """The copy's bytes, or why they do not verify. With ``defer`` (this rank's own copy,
+        its digest computed ahead), the manifest is checked and the digest left to
+        :meth:`load`."""
         buf = self.slots.map(copy.kind, rank, copy.slot)
         if buf is None:
             return None, "its slot is gone"
         problem = mf.check(copy.manifest, trust=self.trust, job=self.job,
                            config_hash=self.config_hash, rank=rank,
                            world_size=self.world_size, capacity=len(buf))
-        if problem is None:
+        if problem is None and not defer:
             ahead = self._ahead if copy.kind == "own" and rank == self.rank else None
             digest = ahead.digest(copy.slot, copy.manifest) if ahead is not None else None
             if (digest or digest_of(buf, copy.manifest)) != copy.manifest.digest:
                 problem = "digest mismatch (torn or corrupt bytes)"
         return (memoryview(buf), None) if problem is None else (None, problem)
+
+    def _digest_checked(self, plan: Plan) -> None:
+        """The deferred digest of the planned copy (``Plan.digest_pending``): waits for the
+        one computed ahead (or computes it) and raises ValueError when it differs."""
+        assert plan.data is not None and plan.manifest is not None and plan.slot is not None
+        t0 = time.perf_counter()
+        digest = self._ahead.digest(plan.slot, plan.manifest) if self._ahead else None
+        if (digest or digest_of(plan.data, plan.manifest)) != plan.manifest.digest:
+            raise ValueError("digest mismatch (torn or corrupt bytes)")
+        plan.digest_pending = False
+        plan.verify_s += time.perf_counter() - t0
+        plan.at["digest_checked"] = time.time()
 
     def plan(self, durable_step: int | None, max_step: int | None) -> Plan:
         """Collective over the group: whether (and from which step) every rank restores
@@ -150,8 +169,13 @@ class MemoryRestore:
         need = sources[chosen]
         data, manifest, problem = None, None, None
         at: dict[str, float] = {}
+        # Without a partner nothing else needs this rank's verdict before the load: its
+        # own copy's digest (computed ahead from the process's start) is compared there,
+        # after the model is built, and a mismatch loads the durable tier on every rank.
+        # With one, a rank whose own copy fails takes its partner's here.
+        defer = self.rank not in need and not self.partnered and self._ahead is not None
         if self.rank not in need:
-            data, problem = self._verify(own[chosen], self.rank)
+            data, problem = self._verify(own[chosen], self.rank, defer=defer)
             manifest = own[chosen].manifest
             at["plan_verified"] = time.time()
         if self.rank in need:
@@ -180,7 +204,7 @@ class MemoryRestore:
         slot = next((c.slot for c in self.slots.copies("own", self.rank)
                      if c.manifest.step == chosen), None)
         return Plan(True, chosen, how, need, data, manifest, time.perf_counter() - t0,
-                    slot=slot, at=at)
+                    slot=slot, at=at, digest_pending=defer)
 
     def _transfer(self, need: list[int], step: int, held: dict[int, Copy], data: Any,
                   manifest: Any, problem: str | None) -> tuple[Any, Any, str | None, list]:
@@ -254,6 +278,8 @@ class MemoryRestore:
         buf = self.slots.map("own", self.rank, plan.slot) if self.pin_restore and \
             plan.slot is not None else None
         try:
+            if plan.digest_pending:
+                self._digest_checked(plan)
             self.last_copy_s = load_copy(plan.data, plan.manifest, state,
                                          pin=Pinned(buf, plan.manifest.data_bytes)
                                          if buf is not None else None,

@@ -190,8 +190,10 @@ def _restart(tmp_path: Path, old: MemoryTier, max_step: int | None = None,
 def test_the_digest_ahead_is_the_plans_and_the_plan_digests_nothing_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The newest own copy is digested in a thread from the worker's start (before the
-    process groups); the plan takes that digest instead of reading 6.8 GB again."""
+    process groups); the restore takes that digest instead of reading 6.8 GB again, and
+    compares it at the load, not in the plan: the model is built while it is computed."""
     from trainer.checkpoint import memory as memory_mod
+    from trainer.checkpoint import memory_restore
 
     old = tier(tmp_path)
     old.save(5, 0, state(1))
@@ -200,15 +202,24 @@ def test_the_digest_ahead_is_the_plans_and_the_plan_digests_nothing_again(
     old.wait()
     new, ahead = _restart(tmp_path, old)
     calls: ClassVar[list[int]] = []
-    real = memory_mod.digest_of
-    monkeypatch.setattr(memory_mod, "digest_of",
-                        lambda buf, m: calls.append(m.step) or real(buf, m))
+    for module in (memory_mod, memory_restore):
+        real = module.digest_of
+        monkeypatch.setattr(module, "digest_of",
+                            lambda buf, m, real=real: calls.append(m.step) or real(buf, m))
     plan = new.plan(durable_step=None, max_step=None)
     assert plan.use and plan.step == 10 and calls == [], (plan.reason, calls)
-    assert ahead.error is None and ahead.seconds > 0
+    assert plan.digest_pending and "digest_checked" not in plan.at
     dst = state(3)
     new.load(plan, dst)
+    assert not plan.digest_pending and "digest_checked" in plan.at and calls == []
+    assert ahead.error is None and ahead.seconds > 0
     assert torch.equal(dst["model"].value["w"], state(2)["model"].value["w"])
+    # Without a digest ahead the plan digests the copy itself, before anything is built.
+    plain = MemoryTier(old.slots.root, rank=0, world_size=1, procs_per_node=1, job="j",
+                       config_hash="c", generation=2, partner=False, group=None,
+                       trust=lambda: TRUST, log=lambda _m: None)
+    plan = plain.plan(durable_step=None, max_step=None)
+    assert plan.use and not plan.digest_pending and calls == [10], calls
     # Capped below the newest (a rollback): the older copy was not digested ahead.
     capped, _ = _restart(tmp_path, old, max_step=7)
     assert capped.plan(durable_step=None, max_step=7).step == 5
@@ -224,8 +235,15 @@ def test_a_copy_corrupted_before_the_restart_fails_its_digest_ahead(tmp_path: Pa
         f.write(b"\xff")
     new, ahead = _restart(tmp_path, old)
     plan = new.plan(durable_step=None, max_step=None)
-    assert not plan.use and "digest mismatch" in plan.reason, plan.reason
+    assert plan.use and plan.digest_pending, plan.reason  # compared at the load
+    dst = state(3)
+    before = dst["model"].value["w"].clone()
+    with pytest.raises(ValueError, match="digest mismatch"):
+        new.load(plan, dst)
+    assert torch.equal(dst["model"].value["w"], before), "a torn copy was loaded"
     assert ahead.digest(copy.slot, copy.manifest) not in (None, copy.manifest.digest)
+    # Uncommitted: no later restart picks it again.
+    assert new.plan(durable_step=None, max_step=None).reason == "no memory copy"
 
 
 def test_a_copy_committed_again_after_the_digest_ahead_is_digested_afresh(
