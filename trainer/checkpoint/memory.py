@@ -27,8 +27,12 @@ and that is at least as new as the durable tier's newest checkpoint and within t
 restart's ``max_step``. Each rank then verifies its copy (signature, job, world layout,
 digest), a holder verifies and sends the copy of a rank that lost its node, and the ranks
 agree (all-reduce) that every copy verified: else the restore takes the durable tier, with
-the reason. ``load`` copies each tensor segment straight into the tensor at the same place
-of the fresh state dict and hands the filled state to each part's ``load_state_dict``.
+the reason. Without partners, a rank's own copy whose digest a thread computes from the
+process's start (``DigestAhead``) has only its manifest checked in the plan; ``load``
+compares the digest, after the model is built, and a mismatch sends every rank to the
+durable tier there. ``load`` copies each tensor segment straight into the tensor at the
+same place of the fresh state dict and hands the filled state to each part's
+``load_state_dict``.
 """
 
 from __future__ import annotations
