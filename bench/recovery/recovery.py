@@ -70,6 +70,17 @@ SDK_SCRIPT = Path(__file__).resolve().parent / "sdk_script.py"
 # the one before; the final save at 560 comes 110 steps after the one at 450), the kill after
 # the first save has committed, the hang mid-interval; the fault-free run's only save is its
 # final one (a generation's first).
+# What the GPU profiles of both recovery paths share: the 1.14B model compiled at
+# micro-batch 8, durable saves every 150 steps, the memory tier every 20, fast hang
+# detection once calibrated, warm standbys.
+GPU_1B_SETS = [
+    "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=true",
+    "checkpoint.interval_steps=150", "checkpoint.keep_last=2",
+    "checkpoint.memory_interval_steps=20", "checkpoint.memory_max_bytes=68719476736",
+    "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
+    "timeouts.training_multiplier=3", "job.warm_start=true", "health.preflight=quick",
+    "restart.backoff_initial_s=0.5"]
+
 PROFILES: dict[str, dict[str, Any]] = {
     "cpu": {"config": None, "kill_step": 60, "stop_step": 120, "free_steps": 60, "sets": [
         "trainer.steps=200", "timeouts.training_floor_s=2",
@@ -87,15 +98,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "gpu2": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
              "free_steps": 0, "injections": [(130, 1, "SIGKILL"), (200, 0, "SIGKILL"),
                                             (270, 1, "SIGKILL"), (340, 0, "SIGSTOP")],
-             "sets": [
-                 "cluster.procs_per_node=2", "trainer.steps=400",
-                 "trainer.data.micro_batch_size=8", "trainer.parallelism.compile=true",
-                 "checkpoint.interval_steps=150", "checkpoint.keep_last=2",
-                 "checkpoint.memory_interval_steps=20",
-                 "checkpoint.memory_max_bytes=68719476736",
-                 "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
-                 "timeouts.training_multiplier=3", "job.warm_start=true",
-                 "health.preflight=quick", "restart.backoff_initial_s=0.5"]},
+             "sets": ["cluster.procs_per_node=2", "trainer.steps=400", *GPU_1B_SETS]},
     # Both paths for a one-rank job on 1 GPU: the 1.14B model compiled at micro-batch 8, the
     # memory tier every 20 steps (13.7 GB: the whole state on one rank), a durable save at
     # 150; three SIGKILLs and one SIGSTOP of its only rank per run. In place, the standby
@@ -104,14 +107,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "gpu1": {"config": "configs/gpu-1b-h100.yaml", "kill_step": 0, "stop_step": 0,
              "free_steps": 0, "injections": [(100, 0, "SIGKILL"), (160, 0, "SIGKILL"),
                                             (220, 0, "SIGKILL"), (265, 0, "SIGSTOP")],
-             "sets": [
-                 "trainer.steps=300", "trainer.data.micro_batch_size=8",
-                 "trainer.parallelism.compile=true", "checkpoint.interval_steps=150",
-                 "checkpoint.keep_last=2", "checkpoint.memory_interval_steps=20",
-                 "checkpoint.memory_max_bytes=68719476736",
-                 "timeouts.training_floor_s=10", "timeouts.training_floor_calibrated_s=1",
-                 "timeouts.training_multiplier=3", "job.warm_start=true",
-                 "health.preflight=quick", "restart.backoff_initial_s=0.5"]},
+             "sets": ["trainer.steps=300", *GPU_1B_SETS]},
     # Both paths on this CPU (the embedded default's 2 simulated nodes, gloo).
     "cpu-paths": {"config": None, "kill_step": 0, "stop_step": 0, "free_steps": 0,
                   "injections": [(60, 1, "SIGKILL"), (100, 0, "SIGKILL"), (140, 1, "SIGKILL"),
