@@ -133,7 +133,8 @@ def build_memory_tier(settings: WorkerSettings, dctx: DistContext, ctx: WorkerCo
                       job=settings.job, config_hash=settings.config_hash,
                       generation=ctx.generation, partner=cfg.memory_partner,
                       group=new_memory_group(dctx), trust=lambda: checkpointer.store.trust,
-                      log=log, device_type=dctx.device.type, ahead=ahead, overlap=True)
+                      log=log, device_type=dctx.device.type, ahead=ahead, overlap=True,
+                      copier=cfg.memory_copier)
 
 
 def build_parts(settings: WorkerSettings, dctx: DistContext, ctx: WorkerContext,

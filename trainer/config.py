@@ -540,14 +540,10 @@ class CheckpointConfig(_Section):
                     "fast NVMe needs several to reach its bandwidth.")
     verify_on_load: bool = Field(
         True, description="Verify the manifest's signature and every digest before loading. "
-                          "Always on: a restore that skipped them could unpickle a forged "
-                          "file (false is refused)."
-    )
+        "Always on: a restore that skipped them could unpickle a forged file (false is refused).")
     trust_unsigned: bool = Field(
-        False, description="Also restore unsigned checkpoints (written before checkpoints "
-                           "were signed, or imported) when their files verify. Signed ones "
-                           "must always match the job's key."
-    )
+        False, description="Also restore unsigned checkpoints (written before checkpoints were "
+        "signed, or imported) when their files verify. Signed ones must match the job's key.")
 
     memory_interval_steps: int | None = Field(
         None, gt=0,
@@ -567,6 +563,9 @@ class CheckpointConfig(_Section):
     memory_partner: bool = Field(
         True, description="Also keep each rank's copy on the next node (one lost node loses "
                           "no state; doubles the memory used). Needs two nodes or more.")
+    memory_copier: bool = Field(
+        True, description="On a GPU, a rank's warm standby makes its memory-tier copies through "
+        "CUDA IPC, so the rank page-locks no slot and its death holds the GPU driver less.")
 
     @model_validator(mode="after")
     def _check_tiers(self) -> CheckpointConfig:

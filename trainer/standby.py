@@ -8,7 +8,9 @@ paid now, not in the recovery), the job's compile cache loaded into the compiler
 in-memory caches (and Inductor's key of torch's sources computed), the job's step compiled
 on a two-block copy of the model (``trainer.standby_compile``: the replacement's first step
 compiles nothing), and the rank's memory-tier slots mapped and page-locked (a slot whose
-first copy comes later, when it comes), so the restore copies host-to-device at full speed.
+first copy comes later, when it comes), so the restore copies host-to-device at full speed;
+it also makes the rank's memory-tier copies for it, through CUDA IPC, so the rank itself
+page-locks nothing (``trainer.checkpoint.copier``).
 Nothing model-sized stays on the GPU (the copy is freed before the standby waits): the rank
 that died may still hold its memory while its process is torn down.
 
@@ -58,12 +60,20 @@ def prepare(local_rank: int) -> None:
     memory = ec.AgentEnv.from_env(os.environ).memory_dir
     rank = ec.get_int(os.environ, "RANK", None, minimum=0)
     if memory and rank is not None and torch.cuda.is_available():
-        from trainer.checkpoint.memory_slots import pin_own_slots, watch_own_slots
+        from trainer.checkpoint.memory_slots import (
+            pin_own_slots,
+            serve_own_slots,
+            watch_own_slots,
+        )
 
         PREPARED["pinned_bytes"] = pin_own_slots(Path(memory), rank)
         # Slots whose first copy comes later (this standby started with the job) are
         # page-locked as their copies are committed, until the hand-off.
         watch_own_slots(Path(memory), rank)
+        # The rank's memory-tier copies are made here, so the rank page-locks nothing and
+        # its death holds the driver less (``trainer.checkpoint.copier``).
+        if job is not None and job[0] is not None and job[0].checkpoint.memory_copier:
+            serve_own_slots(Path(memory), rank, lambda m: print(m, file=sys.stderr))
     if compiles:  # whatever happens to it, the rest is prepared
         PREPARED.update(compile_step_ahead(local_rank, *(job or job_settings())))
     PREPARED["prepare_s"] = time.time() - t0

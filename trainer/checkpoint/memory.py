@@ -53,7 +53,8 @@ import torch.distributed as dist
 
 from trainer.checkpoint import memory_format as mf
 from trainer.checkpoint import signing
-from trainer.checkpoint.memory_landing import CopyStream, Landing
+from trainer.checkpoint.copier import CopierClient, socket_path
+from trainer.checkpoint.memory_landing import CopierLanding, CopyStream, Landing
 from trainer.checkpoint.memory_load import await_copies, objects_digest
 from trainer.checkpoint.memory_restore import MemoryRestore
 from trainer.checkpoint.memory_slots import (
@@ -66,6 +67,8 @@ from trainer.checkpoint.memory_slots import (
 from trainer.checkpoint.slot_source import SlotCopy, local_tensor
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
+_COPIER_RETRY_S = 5.0  # how often a save looks for its standby's copier
+_COPIER_WAIT_S = 120.0  # a restore's copies by the copier (6.8 GB take 0.13 s on an H200)
 
 
 def _is_tensor(value: Any) -> bool:
@@ -98,12 +101,20 @@ class MemoryTier(MemoryRestore):
                  group: Any, trust: Callable[[], signing.Trust | None],
                  log: Callable[[str], None], device_type: str = "cpu",
                  pin_restore: bool = False, ahead: DigestAhead | None = None,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, copier: bool = False) -> None:
         self.slots = Slots.shared(root)
         # A GPU's copies land beside the next step (``memory_landing``): only where every
         # change to the state is an optimizer step (our trainer), not a script's own loop.
         self.overlap = overlap and device_type == "cuda"
         self._copies: CopyStream | None = None
+        # The standby's copier (``copier``): while it makes the copies, this rank has no
+        # slot page-locked (``_unpinned``); without it the rank locks them again.
+        self._copier_path = socket_path(root, rank) if copier and self.overlap else None
+        self._copier: CopierClient | None = None
+        self._copier_tried = -_COPIER_RETRY_S
+        self._save_bytes: int | None = None
+        self._unpinned = False
+        self._repin: concurrent.futures.Future | None = None
         self._ahead = ahead  # this rank's own newest copy, digested since the start
         self.pin_restore = pin_restore and device_type == "cuda"
         self._pinned: list[Pinned] = []
@@ -136,7 +147,7 @@ class MemoryTier(MemoryRestore):
         # Slots a durable save still copies out of (``copy_of``): not written until done.
         self._holds: dict[str, concurrent.futures.Future] = {}
         self._copy: SlotCopy | None = None  # the last save's copy (``landed`` waits for it)
-        self._landing: Landing | None = None  # the copies ``_stage`` just issued
+        self._landing: Landing | CopierLanding | None = None  # what ``_stage`` just issued
         self._plain: dict[str, Any] = {}
         self._cancel = threading.Event()  # set by ``abandon``: the commit in flight stops
 
@@ -170,6 +181,9 @@ class MemoryTier(MemoryRestore):
         self._copy = None
         if self.disabled_reason is not None:
             return 0.0
+        copier = self._copier_for_save()
+        if copier is None and not self._own_copies_ready():
+            return time.perf_counter() - t0
         slot = self._target("own", self.rank, keep)
         buf = self.slots.map("own", self.rank, slot)
         staged = None
@@ -178,7 +192,7 @@ class MemoryTier(MemoryRestore):
         else:
             self._await_hold(slot)
             self.slots.uncommit("own", self.rank, slot)
-            staged = self._stage(buf, step, tokens, state)
+            staged = self._stage(buf, slot, step, tokens, state, copier)
         landing, self._landing = self._landing, None
         if buf is not None and staged is not None:
             self._copy = SlotCopy(step, buf, tuple(staged.keys), tuple(staged.segments),
@@ -234,7 +248,53 @@ class MemoryTier(MemoryRestore):
         """Whether ``prepare_saves``'s background work is still running."""
         return self._preparation is not None and not self._preparation.done()
 
+    def _copier_for_save(self) -> CopierClient | None:
+        """The standby's copier when it makes this save's copies (connecting to one every
+        few seconds while there is none); the first time, this rank's own page-locked
+        slots are let go in the background."""
+        if self._copier_path is None or self._save_bytes is None:
+            return None
+        client = self._copier
+        if client is not None and client.dead is not None:
+            client.close()
+            self._copier = client = None
+        if client is None and time.monotonic() - self._copier_tried >= _COPIER_RETRY_S:
+            self._copier_tried = time.monotonic()
+            self._copier = client = CopierClient.connect(self._copier_path, self.rank,
+                                                         self._save_bytes, self.log)
+        if client is None or not client.usable():
+            return None
+        if not self._unpinned and (self._repin is None or self._repin.done()):
+            self._unpinned = True
+            self.log("memory tier: the standby makes this rank's copies; its page-locked "
+                     "slots are released")
+            self._executor.submit(self._unpin_own)  # after the commit in flight
+        return client
+
+    def _unpin_own(self) -> None:
+        for pins in (self._pinned, self.slots.pinned):
+            while pins:
+                pins.pop().release()
+        self.slots.pinned_slots.clear()
+        self.slots.by_slot.clear()
+
+    def _own_copies_ready(self) -> bool:
+        """Whether this rank can copy on its own: False while its slots, released to the
+        copier that is gone now, are page-locked again (in the background; those saves
+        are skipped: a pageable copy of the whole state would block training)."""
+        if not self._unpinned:
+            return True
+        if self._repin is None:
+            self.log("memory tier: the standby's copier is gone; page-locking the slots "
+                     "again (saves skipped until then)")
+            self._repin = self._executor.submit(self._prepare_slots, self._save_bytes or 0)
+        if not self._repin.done():
+            return False
+        self._unpinned, self._repin = False, None
+        return True
+
     def _prepare_slots(self, nbytes: int) -> None:
+        self._save_bytes = nbytes
         for slot in mf.SLOTS:
             buf = self.slots.map("own", self.rank, slot)
             if buf is None:
@@ -304,8 +364,9 @@ class MemoryTier(MemoryRestore):
         self.disabled_reason = reason
         self.log(f"memory tier off for this generation: {reason}")
 
-    def _stage(self, buf: mmap.mmap, step: int, tokens: int,
-               state: dict[str, Any]) -> mf.MemoryManifest | None:
+    def _stage(self, buf: mmap.mmap, slot: str, step: int, tokens: int,
+               state: dict[str, Any], copier: CopierClient | None = None
+               ) -> mf.MemoryManifest | None:
         """Copy every tensor of ``state`` and its object tree into ``buf``; the manifest
         to commit, its digest still to compute (None: the state does not fit)."""
         tensors: list[torch.Tensor] = []
@@ -330,11 +391,28 @@ class MemoryTier(MemoryRestore):
             return None
         devices = {local_tensor(t).device for t in tensors if local_tensor(t).is_cuda}
         copies = self._copy_stream(devices)
-        with torch.no_grad(), copies.begin() if copies is not None else contextlib.nullcontext():
+        if copier is not None and (copies is None or not all(
+                local_tensor(t).is_contiguous() for t in tensors if local_tensor(t).is_cuda)):
+            copier = None
+        pieces: list[tuple[torch.Tensor, int]] = []  # what the copier copies
+        with torch.no_grad(), copies.begin() if copies is not None and copier is None \
+                else contextlib.nullcontext():
             for t, seg in zip(tensors, segments, strict=True):
-                if seg.nbytes:
-                    _to_slot(buf, seg.offset, local_tensor(t).detach().contiguous(), seg.nbytes)
-        if copies is not None:  # they land beside the next step; the optimizer waits
+                local = local_tensor(t).detach()
+                if not seg.nbytes:
+                    continue
+                if copier is not None and local.is_cuda:
+                    pieces.append((local, seg.offset))
+                else:
+                    _to_slot(buf, seg.offset, local.contiguous(), seg.nbytes)
+        if copier is not None and copies is not None:
+            # Sent once the step that made the bytes is done on the device; the optimizer
+            # waits on the host for them to land (``CopierLanding``).
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(copies.device))
+            landing = CopierLanding(copier.copy("d2h", slot, pieces, after=done), self.log)
+            copies.last = self._landing = landing
+        elif copies is not None:  # they land beside the next step; the optimizer waits
             self._landing = copies.end()
         elif self.device_type == "cuda":  # the copies must land before training moves on
             await_copies(devices)
@@ -355,7 +433,8 @@ class MemoryTier(MemoryRestore):
         return self._copies
 
     def _commit(self, slot: str, buf: mmap.mmap | None, staged: mf.MemoryManifest | None,
-                prepare: int | None = None, landing: Landing | None = None) -> None:
+                prepare: int | None = None,
+                landing: Landing | CopierLanding | None = None) -> None:
         """Background: digest the staged bytes once they have landed, sign and commit the
         manifest, then trade copies with the partner (on the tier's own group, never the
         training thread's); then, after a fresh run's first save, prepare the slots for
@@ -463,11 +542,25 @@ class MemoryTier(MemoryRestore):
             self._copies.fence()
         super().load(plan, state)
 
+    def _device_copy(self, slot: str | None) -> Callable[[list[Any]], None] | None:
+        """The standby's copier for a restore's host-to-device copies, when it makes this
+        rank's copies (this rank has no slot page-locked then)."""
+        client = self._copier
+        if slot is None or client is None or not client.usable():
+            return None
+
+        def run(pieces: list[Any]) -> None:
+            torch.cuda.current_stream().synchronize()  # nothing queued still uses them
+            client.copy("h2d", slot, pieces).result(timeout=_COPIER_WAIT_S)
+        return run
+
     def close(self) -> None:
         """Stop the commit thread (a save still in flight finishes, bounded by the group's
         timeout when a partner is gone) and unmap the slots."""
         if self._copies is not None:
             self._copies.close()
+        if self._copier is not None:
+            self._copier.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for slot in list(self._holds):  # a copy out of a slot is local and short
             self._await_hold(slot)

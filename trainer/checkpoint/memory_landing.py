@@ -8,6 +8,7 @@ changes the copied tensors waits for the copies on the device, never on the host
 optimizer step pre-hook makes the training stream wait for their event (``fence``), and
 so does a restore into the same tensors. What reads the slot on the host (the commit's
 digest, a durable save's copy out of it) waits for the event first (``Landing.wait``).
+When the rank's standby makes the copies (``copier``), a ``CopierLanding`` stands for them.
 Without a GPU the copies are memory moves, done when ``save`` returns.
 """
 
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +46,42 @@ class Landing:
             time.sleep(POLL_S)
         return True
 
+    def fence(self) -> None:
+        """Make the training stream wait for the copies (the host does not)."""
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class CopierLanding:
+    """One save's copies made by the standby's copier (``copier``): ``future`` resolves
+    when they have landed, or fails when they were not made (the save is then not
+    committed). The fence waits on the host: no event of another process is waited for on
+    this GPU (one whose process died would never complete)."""
+
+    def __init__(self, future: Future, log: Callable[[str], None]) -> None:
+        self.future, self.log = future, log
+        self.failed: str | None = None
+
+    def landed(self) -> bool:
+        return self.future.done()
+
+    def wait(self, cancel: threading.Event | None = None) -> bool:
+        while True:
+            try:
+                self.future.result(timeout=POLL_S * 5)
+                return True
+            except FutureTimeout:
+                if cancel is not None and cancel.is_set():
+                    return False
+            except Exception as exc:  # noqa: BLE001 - a copy not made: not committed
+                if self.failed is None:
+                    self.failed = f"{type(exc).__name__}: {exc}"
+                    self.log(f"memory tier: the standby's copies failed ({self.failed}); "
+                             "this save is not committed")
+                return False
+
+    def fence(self) -> None:
+        self.wait()
+
 
 class CopyStream:
     """One rank's stream for the memory tier's copies, and the fence before each optimizer
@@ -52,7 +92,7 @@ class CopyStream:
 
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.last: Landing | None = None
+        self.last: Landing | CopierLanding | None = None
         self._hook = register_optimizer_step_pre_hook(lambda *_: self.fence())
 
     def begin(self) -> torch.cuda.StreamContext:
@@ -76,7 +116,7 @@ class CopyStream:
         if landing.landed():
             self.last = None
             return
-        torch.cuda.current_stream(landing.device).wait_event(landing.event)
+        landing.fence()
 
     def close(self) -> None:
         self._hook.remove()

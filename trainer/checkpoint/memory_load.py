@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import io
 import time
+from collections.abc import Callable
 from typing import Any
 
 import blake3
@@ -75,11 +76,15 @@ def object_tree(data: Any, m: mf.MemoryManifest) -> dict[str, Any]:
 
 def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
               pin: Pinned | None = None, cuda: bool = False,
-              marks: dict[str, float] | None = None) -> float:
+              marks: dict[str, float] | None = None,
+              device_copy: Callable[[list[tuple[torch.Tensor, int]]], None] | None = None
+              ) -> float:
     """Each tensor segment of ``data`` straight into the tensor the fresh ``state`` holds
     at its place, then each part's ``load_state_dict``; returns the seconds the copies
     took. Raises ValueError when the layout does not match. ``marks`` gets the wall-clock
-    ends of its parts: ``load_copies_issued``, ``load_copies_landed``, ``load_parts_loaded``."""
+    ends of its parts: ``load_copies_issued``, ``load_copies_landed``, ``load_parts_loaded``.
+    ``device_copy``: makes the copies into contiguous GPU tensors, all at once (``(tensor,
+    offset in data)`` each; the standby's copier, ``copier``)."""
     at = marks if marks is not None else {}
     if sorted(state) != m.keys:
         raise ValueError(f"state parts {sorted(state)} differ from the copy's {m.keys}")
@@ -95,7 +100,9 @@ def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
         if list(local.shape) != seg.shape or _dtype_name(local) != seg.dtype:
             raise ValueError(f"{path}: {seg.dtype}{seg.shape} in memory, "
                              f"{_dtype_name(local)}{list(local.shape)} here")
-        if seg.nbytes:
+        if seg.nbytes and device_copy is not None and local.is_cuda and local.is_contiguous():
+            batch.append((local, seg.offset))
+        elif seg.nbytes:
             c0 = time.perf_counter()
             with torch.no_grad():
                 _from_slot(data, seg.offset, local, getattr(torch, seg.dtype))
@@ -105,9 +112,14 @@ def load_copy(data: Any, m: mf.MemoryManifest, state: dict[str, Any], *,
         return target
 
     filled = {}
+    batch: list[tuple[torch.Tensor, int]] = []
     try:
         for key in m.keys:
             filled[key] = mf.unflatten(tree[key], state[key].state_dict(), fill, key)
+        if batch:
+            c0 = time.perf_counter()
+            device_copy(batch)  # type: ignore[misc]
+            copy_s += time.perf_counter() - c0
         at["load_copies_issued"] = time.time()
         if cuda:
             await_copies(devices)

@@ -9,6 +9,7 @@ identity) are the tier's, set in its constructor.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,20 +271,27 @@ class MemoryRestore:
         data, problem = self._verify(Copy("own", slot, manifest), self.rank)
         return data, manifest, problem
 
+    def _device_copy(self, slot: str | None) -> Callable[[list[Any]], None] | None:
+        """Who makes a restore's host-to-device copies when not this process (None: it
+        does)."""
+        return None
+
     def load(self, plan: Plan, state: dict[str, Any]) -> None:
         """Copy the planned copy into ``state`` (``memory_load.load_copy``). Raises
         ValueError when it does not load; the copy is then uncommitted, so no restart
         picks it again (the next one takes the partner's copy or the durable tier)."""
         assert plan.use and plan.data is not None and plan.manifest is not None
+        device_copy = self._device_copy(plan.slot)
         buf = self.slots.map("own", self.rank, plan.slot) if self.pin_restore and \
-            plan.slot is not None else None
+            plan.slot is not None and device_copy is None else None
         try:
             if plan.digest_pending:
                 self._digest_checked(plan)
             self.last_copy_s = load_copy(plan.data, plan.manifest, state,
                                          pin=Pinned(buf, plan.manifest.data_bytes)
                                          if buf is not None else None,
-                                         cuda=self.device_type == "cuda", marks=plan.at)
+                                         cuda=self.device_type == "cuda", marks=plan.at,
+                                         device_copy=device_copy)
         except Exception as exc:  # noqa: BLE001 - any failure: this copy never loads
             if plan.slot is not None:
                 self.slots.uncommit("own", self.rank, plan.slot)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -38,12 +39,17 @@ class Slots:
         self._maps: dict[str, mmap.mmap] = {}
         self.pinned: list[Pinned] = []  # page-locked ahead by a warm standby
         self.pinned_slots: set[str] = set()  # which of this rank's own slots they are
+        self.by_slot: dict[str, Pinned] = {}  # and each one's page-locked range
 
     @classmethod
     def shared(cls, root: Path) -> Slots:
         """The slots a warm standby of this process mapped and page-locked ahead of its
         hand-off (``pin_own_slots``), else a fresh view. A standby's :class:`SlotPinner`
-        stops first: from here on the slots are this process's memory tier's."""
+        and its copier (``copier``) stop first: from here on the slots are this process's
+        memory tier's."""
+        server = _SERVERS.pop(str(root), None)
+        if server is not None:
+            server.stop()
         pinner = _PINNERS.pop(str(root), None)
         if pinner is not None:
             pinner.stop()
@@ -140,6 +146,7 @@ class Slots:
 # tier takes them (``Slots.shared``).
 _PREPARED: dict[str, Slots] = {}
 _PINNERS: dict[str, SlotPinner] = {}  # a standby's pinner, stopped by ``Slots.shared``
+_SERVERS: dict[str, Any] = {}  # a standby's ``copier.CopierServer``, the same
 
 
 def pin_own_slots(root: Path, rank: int, slots: Slots | None = None,
@@ -162,6 +169,7 @@ def pin_own_slots(root: Path, rank: int, slots: Slots | None = None,
         if pinned.ok:
             slots.pinned.append(pinned)
             slots.pinned_slots.add(copy.slot)
+            slots.by_slot[copy.slot] = pinned
             total += length
     _PREPARED[str(root)] = slots
     return total
@@ -211,6 +219,59 @@ def watch_own_slots(root: Path, rank: int, interval_s: float = 0.5,
     _PINNERS[str(root)] = pinner
     pinner.start()
     return pinner
+
+
+def pin_for_copies(slots: Slots, rank: int, nbytes: int,
+                   pin: Callable[[mmap.mmap, int], Pinned] | None = None
+                   ) -> dict[str, tuple[mmap.mmap, int]]:
+    """A standby's copier: each own slot of ``rank`` page-locked for a save of ``nbytes``
+    (one pinned for less is pinned again); ``slot -> (mapping, page-locked bytes)``, empty
+    when a slot is missing or cannot be page-locked."""
+    pin = pin or Pinned
+    out = {}
+    for slot in mf.SLOTS:
+        buf = slots.map("own", rank, slot)
+        if buf is None:
+            return {}
+        length = min(len(buf), -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        have = slots.by_slot.get(slot)
+        if have is None or have.nbytes < length:
+            if have is not None:
+                have.release()
+                slots.pinned.remove(have)
+            have = pin(buf, length)
+            if not have.ok:
+                slots.by_slot.pop(slot, None)
+                slots.pinned_slots.discard(slot)
+                return {}
+            slots.pinned.append(have)
+            slots.pinned_slots.add(slot)
+            slots.by_slot[slot] = have
+        out[slot] = (buf, have.nbytes)
+    return out
+
+
+def serve_own_slots(root: Path, rank: int, log: Callable[[str], None]) -> Any:
+    """A standby's copier for ``rank`` (``copier``), serving until ``Slots.shared``; None
+    where its socket's path is too long for ``sun_path``."""
+    from trainer.checkpoint.copier import CopierServer, socket_path, usable_path
+
+    path = socket_path(root, rank)
+    if not usable_path(path):
+        log(f"slot copier: {path} is too long for a Unix socket; the rank copies on its own")
+        return None
+    slots = _PREPARED.setdefault(str(root), Slots(root))
+
+    def pin(nbytes: int) -> dict[str, tuple[mmap.mmap, int]]:
+        pinner = _PINNERS.pop(str(root), None)
+        if pinner is not None:  # the copier's pins cover what it would pin
+            pinner.stop()
+        return pin_for_copies(slots, rank, nbytes)
+
+    server = CopierServer(path, rank, pin, log)
+    _SERVERS[str(root)] = server
+    server.start()
+    return server
 
 
 class DigestCancelled(Exception):
@@ -321,6 +382,7 @@ class Pinned:
         # and not ours to release.
         self.already = code == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
         self.ok = code == 0
+        self.nbytes = nbytes
         if not self.ok:
             self._anchor = None  # the export must go, or the mapping can never close
 
@@ -330,4 +392,5 @@ class Pinned:
         if self.ok:
             torch.cuda.cudart().cudaHostUnregister(self._ptr)
             self.ok = False
+            self.nbytes = 0
         self._anchor = None
