@@ -60,22 +60,21 @@ def prepare(local_rank: int) -> None:
     memory = ec.AgentEnv.from_env(os.environ).memory_dir
     rank = ec.get_int(os.environ, "RANK", None, minimum=0)
     if memory and rank is not None and torch.cuda.is_available():
-        from trainer.checkpoint.memory_slots import (
-            pin_own_slots,
-            serve_own_slots,
-            watch_own_slots,
-        )
+        from trainer.checkpoint.memory_slots import pin_own_slots, watch_own_slots
 
         PREPARED["pinned_bytes"] = pin_own_slots(Path(memory), rank)
         # Slots whose first copy comes later (this standby started with the job) are
         # page-locked as their copies are committed, until the hand-off.
         watch_own_slots(Path(memory), rank)
-        # The rank's memory-tier copies are made here, so the rank page-locks nothing and
-        # its death holds the driver less (``trainer.checkpoint.copier``).
-        if job is not None and job[0] is not None and job[0].checkpoint.memory_copier:
-            serve_own_slots(Path(memory), rank, lambda m: print(m, file=sys.stderr))
     if compiles:  # whatever happens to it, the rest is prepared
         PREPARED.update(compile_step_ahead(local_rank, *(job or job_settings())))
+    if memory and rank is not None and torch.cuda.is_available() and job is not None \
+            and job[0] is not None and job[0].checkpoint.memory_copier:
+        # Last, not to slow the rest: the rank's memory-tier copies are made here from now
+        # on, so the rank page-locks nothing and its death holds the driver less.
+        from trainer.checkpoint.memory_slots import serve_own_slots
+
+        serve_own_slots(Path(memory), rank, lambda m: print(m, file=sys.stderr))
     PREPARED["prepare_s"] = time.time() - t0
 
 

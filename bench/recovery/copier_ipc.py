@@ -9,16 +9,22 @@ memory tier copies, and:
 
 - ``own``: the victim registers ``--shm-gb`` of a shared-memory file (``cudaHostRegister``)
   and copies the state into it itself, as a rank does today;
-- ``copier``: a second process (the standby) registers the file, opens the victim's state
-  through CUDA IPC (``torch.multiprocessing``'s sharing of CUDA tensors) and makes the copy;
-  the victim registers nothing.
+- ``copier-torch`` / ``copier-ctypes`` (``copier`` is ``copier-torch``): a second process
+  (the standby) registers the file, opens the victim's state through CUDA IPC (the fields
+  of ``UntypedStorage._share_cuda_``, as the slot copier gets them: torch's
+  ``_new_shared_cuda``, or the driver API by ctypes, ``trainer.checkpoint.copier
+  .IpcMappings``) and makes the copy; the victim registers nothing. The state is ~500
+  tensors of a 1.14B model's sizes (``PIECES_MIB``).
 
 Then the victim is SIGKILLed. A *probe* (another process, allocating and freeing 2 MiB with
-``cuMemAlloc`` in a loop) times the driver lock's hold; in ``copier`` the copier then drops
-the victim's tensors (``ipc_collect``) and allocates ``--gpu-gb`` itself, as a takeover does.
-Each copy is timed from the copying process (GB/s) so the two paths' bandwidths compare.
+``cuMemAlloc`` in a loop) times the driver lock's hold. The copier lets the victim's
+tensors go at once (as it does on the rank's end of stream, before the victim is reaped),
+timing that and the longest its own ticker thread waited for the GIL meanwhile, then
+allocates ``--gpu-gb`` itself, as a takeover does. Each copy is timed from the copying
+process (GB/s) so the paths' bandwidths compare.
 
-Usage: ``python bench/recovery/copier_ipc.py --shm-dir /mnt/orch-mem --out FILE``.
+Usage: ``python bench/recovery/copier_ipc.py --shm-dir /mnt/orch-mem --modes own
+copier-torch copier-ctypes --out FILE``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from bench.common import header
 
 STEP_BYTES = 2 << 20
-PIECE = 256 << 20  # state in 256 MiB tensors, as FSDP2's flat shards come in a few big ones
+# A 1.14B model's state on one rank, as FSDP2 and AdamW hold it: per parameter its fp32
+# shard and two moments, large ones in segments of their own, norms and step counters small.
+PIECES_MIB = [64, 64, 16, 16, 16, 16, 44, 44, 44] * 6 + [0.0078125, 0.0000038] * 40
 
 
 def _register(size: int, shm_dir: str):
@@ -79,8 +87,11 @@ def victim(mode: str, gpu_gb: float, state_gb: float, shm_gb: float, shm_dir: st
     import torch
 
     torch.cuda.set_device(0)
-    state = [torch.full((PIECE,), 7, dtype=torch.uint8, device="cuda")
-             for _ in range(int(state_gb * (1 << 30)) // PIECE)]
+    want, state, i = int(state_gb * (1 << 30)), [], 0
+    while sum(t.numel() for t in state) < want:
+        n = max(4, int(PIECES_MIB[i % len(PIECES_MIB)] * (1 << 20)))
+        state.append(torch.full((n,), 7, dtype=torch.uint8, device="cuda"))
+        i += 1
     rest = [torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
             for _ in range(int(gpu_gb - state_gb))]
     info = {"pid": os.getpid()}
@@ -89,39 +100,64 @@ def victim(mode: str, gpu_gb: float, state_gb: float, shm_gb: float, shm_dir: st
         keep.append(_register(int(shm_gb * (1 << 30)), shm_dir))
         info["register_s"] = round(keep[0][3], 3)
         info["copy_s"] = [round(_copy(state, keep[0][2]), 3) for _ in range(3)]
-    else:
-        q.put(state)  # shared through CUDA IPC; kept alive here
+    else:  # shared through CUDA IPC (the fields the slot copier sends); kept alive here
+        q.put([tuple(t.untyped_storage()._share_cuda_()) for t in state])
+        info["pieces"] = len(state)
     torch.cuda.synchronize()
     ready.put(info)
     _ = rest, keep
     time.sleep(3600)
 
 
-def copier(gpu_gb: float, shm_gb: float, shm_dir: str, q, out, go) -> None:
+def _ticker(stop, gaps: list) -> None:
+    """The longest this thread waited for the GIL (a 1 ms sleep loop)."""
+    last = time.perf_counter()
+    while not stop.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+
+
+def copier(how: str, gpu_gb: float, shm_gb: float, shm_dir: str, q, out, go) -> None:
+    import threading
+
     import torch
+
+    from trainer.checkpoint.copier import IpcMappings
 
     torch.cuda.set_device(0)
     torch.ones(1, device="cuda")
     buf, anchor, host, reg_s = _register(int(shm_gb * (1 << 30)), shm_dir)
     out.put({"register_s": round(reg_s, 3)})
-    state = q.get()
+    fields = q.get()
+    maps = IpcMappings(0)
     t0 = time.perf_counter()
-    _ = [s.data_ptr() for s in state]
+    if how == "ctypes":
+        state = [maps.tensor(f[1], f[3], f[2]) for f in fields]
+    else:
+        state = [torch.empty(0, dtype=torch.uint8, device="cuda").set_(
+            torch.UntypedStorage._new_shared_cuda(*f)) for f in fields]
     opened_s = time.perf_counter() - t0
     copies = [round(_copy(state, host), 3) for _ in range(3)]
-    out.put({"opened_s": round(opened_s, 4), "copy_s": copies})
-    go.get()  # the victim is dead
+    out.put({"open": how, "opened_s": round(opened_s, 4), "copy_s": copies})
+    stop, gaps = threading.Event(), []
+    ticker = threading.Thread(target=_ticker, args=(stop, gaps))
+    ticker.start()
+    go.get()  # the victim was just killed (not yet reaped): the rank's EOF, as the copier sees it
     t0 = time.perf_counter()
     del state
+    maps.close()
     torch.cuda.ipc_collect()
-    torch.cuda.empty_cache()
     closed_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     mine = [torch.empty(1 << 30, dtype=torch.uint8, device="cuda") for _ in range(int(gpu_gb))]
     torch.cuda.synchronize()
     alloc_s = time.perf_counter() - t0
+    stop.set()
+    ticker.join()
     out.put({"closed_s": round(closed_s, 4), "alloc_after_s": round(alloc_s, 4),
-             "alloc_done_at": time.time()})
+             "alloc_done_at": time.time(), "max_gil_wait_s": round(max(gaps), 4)})
     _ = mine, buf, anchor
     time.sleep(3600)  # killed by the parent after the probe's window: its exit unpins too
 
@@ -156,8 +192,9 @@ def one(ctx, mode: str, a) -> dict:
     q, ready, cout, go, pstart, pout = (ctx.Queue() for _ in range(6))
     t0 = time.time()
     c = None
-    if mode == "copier":
-        c = ctx.Process(target=copier, args=(a.gpu_gb, a.shm_gb, a.shm_dir, q, cout, go))
+    if mode.startswith("copier"):
+        how = mode.partition("-")[2] or "torch"
+        c = ctx.Process(target=copier, args=(how, a.gpu_gb, a.shm_gb, a.shm_dir, q, cout, go))
         c.start()
     v = ctx.Process(target=victim, args=(mode, a.gpu_gb, a.state_gb, a.shm_gb, a.shm_dir,
                                          q, ready))
@@ -174,10 +211,11 @@ def one(ctx, mode: str, a) -> dict:
     kill = time.time()
     pstart.put(kill)
     os.kill(v.pid, signal.SIGKILL)
+    if c is not None:
+        go.put(True)
     v.join()
     row["reaped_s"] = round(time.time() - kill, 4)
     if c is not None:
-        go.put(True)
         after = cout.get(timeout=120)
         after["alloc_done_s"] = round(after.pop("alloc_done_at") - kill, 4)
         row["copier"].update(after)
@@ -192,7 +230,7 @@ def one(ctx, mode: str, a) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["own", "copier"],
-                    choices=["own", "copier"])
+                    choices=["own", "copier", "copier-torch", "copier-ctypes"])
     ap.add_argument("--gpu-gb", type=float, default=30.0)
     ap.add_argument("--state-gb", type=float, default=6.75)
     ap.add_argument("--shm-gb", type=float, default=14.0)

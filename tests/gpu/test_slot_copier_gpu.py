@@ -89,16 +89,19 @@ def test_the_standby_copies_for_a_rank_that_page_locks_nothing(tmp_path: Path) -
         tier.prepare_saves(state)  # this rank page-locks its slots first, as at a start
         tier.wait()
         assert tier._pinned, "the rank could not page-lock its own slots"
+        tier.save(0, 0, state)  # on its own: no copier is asked before a first save
+        assert type(tier._copies.last).__name__ == "Landing"
+        tier.wait()
         assert tier._copier_for_save() is not None or _wait(
             lambda: tier._copier_for_save() is not None), logs
         tier.wait()
         assert _wait(lambda: not tier._pinned and not tier.slots.pinned), \
             "the rank kept its slots page-locked"
-        for save_step in (1, 2, 3):
+        for save_step in (1, 2, 3):  # now the standby's
             torch.cuda.synchronize()
             want = {k: v.detach().cpu().clone() for k, v in state["train"].value.items()}
             tier.save(save_step, 0, state)
-            assert type(tier._landing).__name__ == "CopierLanding", logs
+            assert type(tier._copies.last).__name__ == "CopierLanding", logs
             opt.step()  # rewrites every tensor the standby is about to copy
             step()
             tier.wait()
@@ -121,7 +124,7 @@ def test_the_standby_copies_for_a_rank_that_page_locks_nothing(tmp_path: Path) -
         torch.cuda.synchronize()
         want = {k: v.detach().cpu().clone() for k, v in state["train"].value.items()}
         tier.save(5, 0, state)
-        assert type(tier._landing).__name__ == "Landing"
+        assert type(tier._copies.last).__name__ == "Landing"
         tier.wait()
         got = {"train": Box({k: torch.zeros_like(v) for k, v in want.items()})}
         plan = tier.plan(durable_step=None, max_step=None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import ctypes
 import json
 import os
 import queue
@@ -169,7 +170,6 @@ class CopierServer(threading.Thread):
         super().__init__(name="slot-copier", daemon=True)
         self.path, self.rank, self._pin_slots, self.log = path, rank, pin_slots, log
         self._stopped = threading.Event()
-        self._busy = threading.Lock()  # held while a request is served
         self._conn: socket.socket | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         path.unlink(missing_ok=True)
@@ -180,6 +180,12 @@ class CopierServer(threading.Thread):
         self.copies = 0
 
     def run(self) -> None:
+        try:
+            self._accept()
+        finally:
+            self._listener.close()
+
+    def _accept(self) -> None:
         while not self._stopped.is_set():
             try:
                 conn, _ = self._listener.accept()
@@ -206,56 +212,125 @@ class CopierServer(threading.Thread):
         storages: dict[int, torch.Tensor] = {}
         pinned: dict[str, Any] = {}
         stream = None
+        maps: IpcMappings | None = None
         try:
             while not self._stopped.is_set():
                 body = recv_frame(conn)
                 if body is None:
                     return
                 req = parse_request(body)
-                with self._busy:
-                    if self._stopped.is_set():
-                        return
-                    if isinstance(req, Hello):
-                        error = None if req.rank == self.rank else \
-                            f"this copier serves rank {self.rank}, not {req.rank}"
-                        if error is None:
-                            pinned = self._pin_slots(req.slot_bytes)
-                            if not pinned:
-                                error = "could not page-lock the slots"
-                        send_frame(conn, Reply(op="ready", ok=error is None, error=error))
-                    elif isinstance(req, Share):
-                        for s in req.storages:
-                            storages[s.sid] = _open(s)
-                    else:
-                        t0 = time.perf_counter()
-                        error = refusal(req, storages, pinned)
-                        if error is None:
-                            if stream is None:
-                                stream = torch.cuda.Stream()
-                            _copy(req, storages, pinned[req.slot][0], stream)
-                            self.copies += 1
-                        send_frame(conn, Reply(op="done", seq=req.seq, ok=error is None,
-                                               error=error,
-                                               seconds=time.perf_counter() - t0))
+                if self._stopped.is_set():
+                    return
+                if isinstance(req, Hello):
+                    error = None if req.rank == self.rank else \
+                        f"this copier serves rank {self.rank}, not {req.rank}"
+                    if error is None:
+                        pinned = self._pin_slots(req.slot_bytes)
+                        if not pinned:
+                            error = "could not page-lock the slots"
+                    send_frame(conn, Reply(op="ready", ok=error is None, error=error))
+                elif isinstance(req, Share):
+                    for s in req.storages:
+                        if maps is None:
+                            maps = IpcMappings(torch.cuda.current_device())
+                        storages[s.sid] = _open(s, maps)
+                else:
+                    t0 = time.perf_counter()
+                    error = refusal(req, storages, pinned)
+                    if error is None:
+                        if stream is None:
+                            stream = torch.cuda.Stream()
+                        _copy(req, storages, pinned[req.slot][0], stream)
+                        self.copies += 1
+                    send_frame(conn, Reply(op="done", seq=req.seq, ok=error is None,
+                                           error=error,
+                                           seconds=time.perf_counter() - t0))
         finally:
             storages.clear()
-            if torch.cuda.is_initialized():
-                torch.cuda.ipc_collect()
+            if maps is not None:  # without the GIL: the rank may have just died
+                maps.close()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Serve no more: a copy being made is finished first, the rank's storages are let
-        go and the socket is removed. The rank copies on its own from then on."""
+    def stop(self) -> None:
+        """Serve no more, at once (the hand-off: this process is about to become the rank).
+        The thread finishes what it is doing (a copy, page-locking) and lets the rank's
+        storages go on its own, without the GIL (``IpcMappings``); the socket is removed."""
         self._stopped.set()
-        with self._busy:
-            for s in (self._conn, self._listener):
-                if s is not None:
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    s.close()
-        self.join(timeout)
+        for s in (self._conn, self._listener):
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         self.path.unlink(missing_ok=True)
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]  # CUipcMemHandle
+
+
+class _Iface:
+    """A device range as ``__cuda_array_interface__``: a tensor over it, owned elsewhere."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 2}
+
+
+class IpcMappings:
+    """A rank's CUDA allocations opened in this process by their IPC handles, through the
+    driver API by ctypes, so the GIL is not held while the driver works: closing the
+    mappings of a rank that just died waits for the driver's lock until its teardown is
+    done, and the standby's main thread (taking the rank's place) must not wait with it.
+    torch's own ``_new_shared_cuda`` frees its mappings in a storage's destructor, under
+    the GIL. Handles in another format than the caching allocator's ``cudaMalloc`` one are
+    not opened (None)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._cu = ctypes.CDLL("libcuda.so.1")
+        self._cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                   _IpcHandle, ctypes.c_uint]
+        self._cu.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+        self._bases: dict[bytes, int] = {}
+
+    def _current(self) -> None:
+        """The device's primary context (torch's) current on this thread."""
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        for rc in (self._cu.cuDeviceGet(ctypes.byref(dev), self.device),
+                   self._cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+                   self._cu.cuCtxSetCurrent(ctx)):
+            if rc != 0:
+                raise ValueError(f"the CUDA driver said {rc} making the context current")
+        self._cu.cuDevicePrimaryCtxRelease_v2(dev)  # torch holds it; so did we, briefly
+
+    def tensor(self, handle: bytes, offset: int, nbytes: int) -> Any:
+        """A uint8 tensor over ``nbytes`` at ``offset`` in the allocation of ``handle``
+        (``UntypedStorage._share_cuda_``'s), or None for a format this does not open."""
+        import torch
+
+        if len(handle) != 66 or handle[1:2] != b"c":
+            return None
+        raw = handle[2:]
+        base = self._bases.get(raw)
+        if base is None:
+            self._current()
+            ptr = ctypes.c_uint64()
+            rc = self._cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr),
+                                                _IpcHandle.from_buffer_copy(raw), 1)
+            if rc != 0:
+                raise ValueError(f"cuIpcOpenMemHandle: CUDA driver error {rc}")
+            base = self._bases[raw] = ptr.value
+        return torch.as_tensor(_Iface(base + offset, nbytes), device=f"cuda:{self.device}")
+
+    def close(self) -> float:
+        """Close every mapping (tensors over them must be gone); returns the seconds."""
+        t0 = time.perf_counter()
+        if self._bases:
+            self._current()
+        for base in self._bases.values():
+            self._cu.cuIpcCloseMemHandle(base)
+        self._bases.clear()
+        return time.perf_counter() - t0
 
 
 def _peer_uid(conn: socket.socket) -> int | None:
@@ -266,12 +341,16 @@ def _peer_uid(conn: socket.socket) -> int | None:
     return struct.unpack("3i", raw)[1]
 
 
-def _open(s: StorageShare) -> Any:
+def _open(s: StorageShare, maps: IpcMappings) -> Any:
     import torch
 
-    if s.device != torch.cuda.current_device():
-        raise ValueError(f"storage {s.sid} is on GPU {s.device}, this copier on "
-                         f"{torch.cuda.current_device()}")
+    if s.device != maps.device:
+        raise ValueError(f"storage {s.sid} is on GPU {s.device}, this copier on {maps.device}")
+    handle = _unb64(s.handle)
+    assert handle is not None
+    mapped = maps.tensor(handle, s.offset, s.size)
+    if mapped is not None:
+        return mapped
     storage = torch.UntypedStorage._new_shared_cuda(
         s.device, _unb64(s.handle), s.size, s.offset, _unb64(s.ref_handle), s.ref_offset,
         _unb64(s.event_handle), s.event_sync)
@@ -378,10 +457,10 @@ class CopierClient:
                     fut = self._pending.pop(reply.seq, None)
                 if fut is None:
                     return self._fail(f"an answer to copy {reply.seq}, never asked")
-                if reply.ok:
-                    fut.set_result(reply.seconds)
-                else:
+                if not reply.ok:  # a refusal is not retried: this rank copies on its own
                     fut.set_exception(RuntimeError(reply.error or "copy refused"))
+                    return self._fail(f"copy refused: {reply.error}")
+                fut.set_result(reply.seconds)
         except (OSError, ValueError, ValidationError) as exc:
             self._fail(f"{type(exc).__name__}: {str(exc)[:200]}")
 

@@ -113,6 +113,7 @@ class MemoryTier(MemoryRestore):
         self._copier: CopierClient | None = None
         self._copier_tried = -_COPIER_RETRY_S
         self._save_bytes: int | None = None
+        self._tensor_bytes: int | None = None  # the slot's bytes the copies write
         self._unpinned = False
         self._repin: concurrent.futures.Future | None = None
         self._ahead = ahead  # this rank's own newest copy, digested since the start
@@ -252,7 +253,7 @@ class MemoryTier(MemoryRestore):
         """The standby's copier when it makes this save's copies (connecting to one every
         few seconds while there is none); the first time, this rank's own page-locked
         slots are let go in the background."""
-        if self._copier_path is None or self._save_bytes is None:
+        if self._copier_path is None or self._tensor_bytes is None:
             return None
         client = self._copier
         if client is not None and client.dead is not None:
@@ -261,7 +262,7 @@ class MemoryTier(MemoryRestore):
         if client is None and time.monotonic() - self._copier_tried >= _COPIER_RETRY_S:
             self._copier_tried = time.monotonic()
             self._copier = client = CopierClient.connect(self._copier_path, self.rank,
-                                                         self._save_bytes, self.log)
+                                                         self._tensor_bytes, self.log)
         if client is None or not client.usable():
             return None
         if not self._unpinned and (self._repin is None or self._repin.done()):
@@ -385,6 +386,7 @@ class MemoryTier(MemoryRestore):
                                        shape=list(local.shape)))
             offset = mf.aligned(offset + nbytes)
         end = offset + len(blob)
+        self._tensor_bytes = offset or None
         if end > len(buf):
             self._disable(f"the state needs {end} bytes, a slot holds {len(buf)} "
                           "(raise checkpoint.memory_max_bytes)")

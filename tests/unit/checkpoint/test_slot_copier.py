@@ -94,6 +94,7 @@ def test_the_copier_page_locks_for_its_rank_and_refuses_copies_it_cannot_check(s
     finally:
         server.stop()
     assert not cp.socket_path(sock_dir, 3).exists()
+    server.join(5)
     assert not server.is_alive()
 
 
