@@ -564,8 +564,8 @@ class CheckpointConfig(_Section):
         True, description="Also keep each rank's copy on the next node (one lost node loses "
                           "no state; doubles the memory used). Needs two nodes or more.")
     memory_copier: bool = Field(
-        True, description="On a GPU, a rank's warm standby makes its memory-tier copies through "
-        "CUDA IPC, so the rank page-locks no slot and its death holds the GPU driver less.")
+        False, description="On a GPU, the rank's warm standby makes its memory-tier copies by "
+        "CUDA IPC: the rank page-locks no slot, its death holds the driver less. Experimental.")
 
     @model_validator(mode="after")
     def _check_tiers(self) -> CheckpointConfig:
