@@ -31,20 +31,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 import json
 import mmap
 import os
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
 from bench.common import header
+from bench.recovery.lock_after_death import alloc_stalls, driver
 
-STEP_BYTES = 2 << 20
 # A 1.14B model's state on one rank, as FSDP2 and AdamW hold it: per parameter its fp32
 # shard and two moments, large ones in segments of their own, norms and step counters small.
 PIECES_MIB = [64, 64, 16, 16, 16, 16, 44, 44, 44] * 6 + [0.0078125, 0.0000038] * 40
@@ -167,25 +165,9 @@ def probe(window_s: float, start_q, out) -> None:
 
     torch.cuda.set_device(0)
     torch.ones(1, device="cuda")
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-    lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
-    ptr = ctypes.c_uint64()
+    lib = driver()
     out.put("ready")
-    start = start_q.get()
-    stamps = []
-    while time.time() < start + window_s:
-        if lib.cuMemAlloc_v2(ctypes.byref(ptr), STEP_BYTES) == 0:
-            lib.cuMemFree_v2(ptr)
-        stamps.append(time.time())
-    gaps = [(b - a, a, b) for a, b in itertools.pairwise(stamps)]
-    worst = max(gaps, default=(0.0, start, start))
-    out.put({"stall_s": round(worst[0], 4), "stall_from_s": round(worst[1] - start, 4),
-             "stall_to_s": round(worst[2] - start, 4),
-             "median_call_s": statistics.median(g[0] for g in gaps) if gaps else None,
-             "calls": len(stamps),
-             "stalls_over_20ms": [[round(a - start, 3), round(g, 3)]
-                                  for g, a, _b in gaps if g > 0.02]})
+    out.put(alloc_stalls(lib, start_q.get(), window_s))
 
 
 def one(ctx, mode: str, a) -> dict:

@@ -75,28 +75,44 @@ def victim(gpu_gb: float, pin_gb: float, shm_gb: float, shm_dir: str) -> None:
     time.sleep(3600)
 
 
-def probe(window_s: float) -> None:
-    import torch
-
-    torch.cuda.set_device(1 if torch.cuda.device_count() > 1 else 0)
-    torch.ones(1, device="cuda")  # the primary context, current on this thread
+def driver() -> ctypes.CDLL:
+    """The CUDA driver, its ``cuMemAlloc``/``cuMemFree`` typed (the primary context must be
+    current on the calling thread)."""
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
     lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+    return lib
+
+
+def alloc_stalls(lib: ctypes.CDLL, start: float, window_s: float) -> dict:
+    """Allocate and free 2 MiB in a loop until ``window_s`` after ``start`` (the kill's
+    wall-clock time): the longest stall, when it began and ended after the kill, the
+    median call, and every stall over 20 ms."""
     ptr = ctypes.c_uint64()
     stamps = []
-    print("ready", flush=True)
-    start = float(sys.stdin.readline())  # the kill's wall-clock time
     while time.time() < start + window_s:
         if lib.cuMemAlloc_v2(ctypes.byref(ptr), STEP_BYTES) == 0:
             lib.cuMemFree_v2(ptr)
         stamps.append(time.time())
     gaps = [(b - a, a, b) for a, b in itertools.pairwise(stamps)]
     worst = max(gaps, default=(0.0, start, start))
-    print(json.dumps({"stall_s": round(worst[0], 4), "stall_from_s": round(worst[1] - start, 4),
-                      "stall_to_s": round(worst[2] - start, 4),
-                      "median_call_s": statistics.median(g[0] for g in gaps) if gaps else None,
-                      "calls": len(stamps)}), flush=True)
+    return {"stall_s": round(worst[0], 4), "stall_from_s": round(worst[1] - start, 4),
+            "stall_to_s": round(worst[2] - start, 4),
+            "median_call_s": statistics.median(g[0] for g in gaps) if gaps else None,
+            "calls": len(stamps),
+            "stalls_over_20ms": [[round(a - start, 3), round(g, 3)]
+                                 for g, a, _b in gaps if g > 0.02]}
+
+
+def probe(window_s: float) -> None:
+    import torch
+
+    torch.cuda.set_device(1 if torch.cuda.device_count() > 1 else 0)
+    torch.ones(1, device="cuda")  # the primary context, current on this thread
+    lib = driver()
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())  # the kill's wall-clock time
+    print(json.dumps(alloc_stalls(lib, start, window_s)), flush=True)
 
 
 def one(gpu_gb: float, pin_gb: float, shm_gb: float, thp: bool, shm_dir: str,

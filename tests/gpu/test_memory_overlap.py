@@ -6,14 +6,13 @@ skipped elsewhere."""
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from fakes import Box
+from gpu_state import slots, trained
 
-from orchestrator.agent.memory import NodeMemory
 from trainer.checkpoint import signing
 from trainer.checkpoint.memory import MemoryTier
 
@@ -22,36 +21,10 @@ pytestmark = pytest.mark.gpu
 TRUST = signing.Trust(b"k" * 32)
 
 
-
-def _flat(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"p.{n}": p for n, p in model.named_parameters()}
-    for i, p in enumerate(model.parameters()):
-        for k, v in opt.state[p].items():
-            out[f"s{i}.{k}"] = v
-    return out
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_copy_landing_beside_the_next_step_is_the_state_at_the_save(tmp_path: Path) -> None:
-    dev = torch.device("cuda", 0)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x = torch.randn(8192, 4096, device=dev)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
-    step()
-    state = {"train": Box(_flat(model, opt))}
-    nbytes = sum(t.numel() * t.element_size() for t in state["train"].value.values())
-    # Slots on shared memory, as the agent makes them (a file on disk cannot be page-locked),
-    # each of the two own slots holding the whole state.
-    shm = Path(tempfile.mkdtemp(prefix="orch-test-", dir="/dev/shm"))
-    mem = NodeMemory(shm, tmp_path / "run", "n0")
-    mem.provision([0], 1, 1, 2 * (nbytes + 2**26), partner=False)
+    opt, step, state, nbytes = trained(torch.device("cuda", 0))
+    shm, mem = slots(tmp_path, nbytes)
     tier = MemoryTier(mem.path, rank=0, world_size=1, procs_per_node=1, job="j",
                       config_hash="c", generation=1, partner=False, group=None,
                       trust=lambda: TRUST, log=print, device_type="cuda", overlap=True)

@@ -11,15 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from fakes import Box
+from gpu_state import slots, trained
 
-from orchestrator.agent.memory import NodeMemory
 from trainer.checkpoint import signing
 from trainer.checkpoint.memory import MemoryTier
 
@@ -40,14 +39,6 @@ time.sleep(600)
 """
 
 
-def _flat(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"p.{n}": p for n, p in model.named_parameters()}
-    for i, p in enumerate(model.parameters()):
-        for k, v in opt.state[p].items():
-            out[f"s{i}.{k}"] = v
-    return out
-
-
 def _wait(cond, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -59,23 +50,8 @@ def _wait(cond, timeout: float = 60.0) -> bool:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_standby_copies_for_a_rank_that_page_locks_nothing(tmp_path: Path) -> None:
-    dev = torch.device("cuda", 0)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x = torch.randn(8192, 4096, device=dev)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
-    step()
-    state = {"train": Box(_flat(model, opt))}
-    nbytes = sum(t.numel() * t.element_size() for t in state["train"].value.values())
-    shm = Path(tempfile.mkdtemp(prefix="orch-", dir="/dev/shm"))
-    mem = NodeMemory(shm, tmp_path / "run", "n0")
-    mem.provision([0], 1, 1, 2 * (nbytes + 2**26), partner=False)
+    opt, step, state, nbytes = trained(torch.device("cuda", 0))
+    shm, mem = slots(tmp_path, nbytes)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     standby = subprocess.Popen([sys.executable, "-c", _STANDBY, str(mem.path)], env=env,
                                stdout=subprocess.PIPE, text=True, start_new_session=True)
