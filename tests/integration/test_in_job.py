@@ -35,6 +35,12 @@ HANG_TIMEOUTS = {"training_floor_s": 2.0, "training_multiplier": 3.0}
 # standby existed: the replacement started cold, as it should without one. A slow third
 # step in every generation lets the standby start before the kill a test expects it for.
 SPARE_TIME = {3: 3.0}
+# A kill at step 17 rolls back to the checkpoint of step 10, whose commit (0.06-0.09 s here,
+# 0.28 s under the suite's load) raced the seven millisecond steps after it: committed 0.03 s
+# after the failure was decided, it was fenced as the deposed generation's write, the
+# survivor found nothing to roll back to, and the job restarted in full (as it should). A
+# slow step 16 lets the commit land first where a test is about the in-place path.
+COMMIT_TIME = {16: 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,8 @@ def check_final(run: Path, reference: dict) -> None:
 def test_sigkill_recovered_in_place_with_a_standby(tmp_path: Path, dataset_dir: Path,
                                                    reference: dict) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
-                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_steps": SPARE_TIME})
+                       chaos={"kill": [{"step": 17, "rank": 1}],
+                              "slow_steps": {**SPARE_TIME, **COMMIT_TIME}})
     run, events, failure = recovered_once_in_place(cfg, tmp_path / "run")
     assert failure["cause"] == "worker_exit" and failure["rank"] == 1
     launches = [e for e in events if e["kind"] == "generation_launched"]
@@ -112,7 +119,8 @@ def test_the_next_groups_are_made_while_the_old_ones_still_abort(
     hold the survivor back: it leaves the old groups to their abort, makes the next
     generation's meanwhile, and the job still ends bit-identical."""
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
-                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_abort_s": 3.0})
+                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_abort_s": 3.0,
+                              "slow_steps": COMMIT_TIME})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
     run = tmp_path / "run"
@@ -135,7 +143,8 @@ def test_the_next_groups_are_made_while_the_old_ones_still_abort(
     # The same fault with overlap_abort off: the survivor waits for the abort.
     cfg = write_config(tmp_path / "job2.yaml", dataset_dir, restart=IN_JOB, job=WARM,
                        trainer={"parallelism": {"overlap_abort": False}},
-                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_abort_s": 3.0})
+                       chaos={"kill": [{"step": 17, "rank": 1}], "slow_abort_s": 3.0,
+                              "slow_steps": COMMIT_TIME})
     result = up(cfg, tmp_path / "run2")
     assert result.returncode == 0, result.stdout[-4000:]
     (recovered,) = [e for e in journal(tmp_path / "run2") if e["kind"] == "recovered"]
@@ -244,7 +253,8 @@ def test_a_failed_in_place_recovery_falls_back_to_a_full_restart(tmp_path: Path,
                                                                  dataset_dir: Path,
                                                                  reference: dict) -> None:
     cfg = write_config(tmp_path / "job.yaml", dataset_dir, restart=IN_JOB, job=WARM,
-                       chaos={"kill": [{"step": 17, "rank": 1}], "fail_rejoin_rank": 0})
+                       chaos={"kill": [{"step": 17, "rank": 1}], "fail_rejoin_rank": 0,
+                              "slow_steps": COMMIT_TIME})
     result = up(cfg, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-4000:]
     run = tmp_path / "run"
