@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import os
@@ -166,9 +167,10 @@ class CopierServer(threading.Thread):
     ``slot -> (mapping, page-locked bytes)``) and the rank's shared storages."""
 
     def __init__(self, path: Path, rank: int, pin_slots: Callable[[int], dict[str, Any]],
-                 log: Callable[[str], None] = lambda _m: None) -> None:
+                 log: Callable[[str], None] = lambda _m: None, device: int = 0) -> None:
         super().__init__(name="slot-copier", daemon=True)
         self.path, self.rank, self._pin_slots, self.log = path, rank, pin_slots, log
+        self.device = device  # the standby's GPU (a thread's current device starts at 0)
         self._stopped = threading.Event()
         self._conn: socket.socket | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -213,6 +215,8 @@ class CopierServer(threading.Thread):
         pinned: dict[str, Any] = {}
         stream = None
         maps: IpcMappings | None = None
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.device)
         try:
             while not self._stopped.is_set():
                 body = recv_frame(conn)
@@ -232,7 +236,7 @@ class CopierServer(threading.Thread):
                 elif isinstance(req, Share):
                     for s in req.storages:
                         if maps is None:
-                            maps = IpcMappings(torch.cuda.current_device())
+                            maps = IpcMappings(self.device)
                         storages[s.sid] = _open(s, maps)
                 else:
                     t0 = time.perf_counter()
@@ -257,10 +261,8 @@ class CopierServer(threading.Thread):
         self._stopped.set()
         for s in (self._conn, self._listener):
             if s is not None:
-                try:
+                with contextlib.suppress(OSError):  # already closed by the other end
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         self.path.unlink(missing_ok=True)
 
 
@@ -436,10 +438,8 @@ class CopierClient:
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(ConnectionError(why))
-        try:
+        with contextlib.suppress(OSError):  # already closed by the other end
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def _read(self) -> None:
         try:

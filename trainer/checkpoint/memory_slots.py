@@ -268,7 +268,9 @@ def serve_own_slots(root: Path, rank: int, log: Callable[[str], None]) -> Any:
             pinner.stop()
         return pin_for_copies(slots, rank, nbytes)
 
-    server = CopierServer(path, rank, pin, log)
+    import torch
+
+    server = CopierServer(path, rank, pin, log, device=torch.cuda.current_device())
     _SERVERS[str(root)] = server
     server.start()
     return server
