@@ -55,17 +55,15 @@ class _Msg(BaseModel):
 
 
 class StorageShare(_Msg):
-    """One CUDA storage of the rank: ``UntypedStorage._share_cuda_``'s fields."""
+    """One CUDA storage of the rank: its allocation's IPC handle and its byte range there
+    (``UntypedStorage._share_cuda_``'s fields; the copier waits for no event of the rank's
+    and holds no reference count: the rank keeps every shared storage alive)."""
 
     sid: Annotated[int, Field(ge=0, le=1 << 20)]
     device: Annotated[int, Field(ge=0, le=255)]
     handle: _B64
     size: Annotated[int, Field(ge=1, le=_MAX_BYTES)]
     offset: Offset
-    ref_handle: _B64
-    ref_offset: Offset
-    event_handle: _B64 | None = None
-    event_sync: bool = False
 
 
 class Hello(_Msg):
@@ -285,7 +283,7 @@ class IpcMappings:
     done, and the standby's main thread (taking the rank's place) must not wait with it.
     torch's own ``_new_shared_cuda`` frees its mappings in a storage's destructor, under
     the GIL. Handles in another format than the caching allocator's ``cudaMalloc`` one are
-    not opened (None)."""
+    not opened (None); a range past the end of its allocation is refused (ValueError)."""
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -293,7 +291,10 @@ class IpcMappings:
         self._cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
                                                    _IpcHandle, ctypes.c_uint]
         self._cu.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
-        self._bases: dict[bytes, int] = {}
+        self._cu.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                     ctypes.POINTER(ctypes.c_size_t),
+                                                     ctypes.c_uint64]
+        self._bases: dict[bytes, tuple[int, int | None]] = {}  # handle -> (base, bytes)
 
     def _current(self) -> None:
         """The device's primary context (torch's) current on this thread."""
@@ -313,15 +314,20 @@ class IpcMappings:
         if len(handle) != 66 or handle[1:2] != b"c":
             return None
         raw = handle[2:]
-        base = self._bases.get(raw)
-        if base is None:
+        if raw not in self._bases:
             self._current()
-            ptr = ctypes.c_uint64()
+            ptr, start, size = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_size_t()
             rc = self._cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr),
                                                 _IpcHandle.from_buffer_copy(raw), 1)
             if rc != 0:
                 raise ValueError(f"cuIpcOpenMemHandle: CUDA driver error {rc}")
-            base = self._bases[raw] = ptr.value
+            known = self._cu.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(size),
+                                                     ptr.value) == 0
+            self._bases[raw] = (ptr.value, size.value if known else None)
+        base, size_of = self._bases[raw]
+        if size_of is not None and offset + nbytes > size_of:
+            raise ValueError(f"bytes {offset}+{nbytes} past the end of a {size_of}-byte "
+                             "allocation")
         return torch.as_tensor(_Iface(base + offset, nbytes), device=f"cuda:{self.device}")
 
     def close(self) -> float:
@@ -329,7 +335,7 @@ class IpcMappings:
         t0 = time.perf_counter()
         if self._bases:
             self._current()
-        for base in self._bases.values():
+        for base, _ in self._bases.values():
             self._cu.cuIpcCloseMemHandle(base)
         self._bases.clear()
         return time.perf_counter() - t0
@@ -344,21 +350,16 @@ def _peer_uid(conn: socket.socket) -> int | None:
 
 
 def _open(s: StorageShare, maps: IpcMappings) -> Any:
-    import torch
 
     if s.device != maps.device:
         raise ValueError(f"storage {s.sid} is on GPU {s.device}, this copier on {maps.device}")
     handle = _unb64(s.handle)
     assert handle is not None
     mapped = maps.tensor(handle, s.offset, s.size)
-    if mapped is not None:
-        return mapped
-    storage = torch.UntypedStorage._new_shared_cuda(
-        s.device, _unb64(s.handle), s.size, s.offset, _unb64(s.ref_handle), s.ref_offset,
-        _unb64(s.event_handle), s.event_sync)
-    if storage.nbytes() != s.size:
-        raise ValueError(f"storage {s.sid}: {storage.nbytes()} bytes, {s.size} announced")
-    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{s.device}").set_(storage)
+    if mapped is None:  # the connection ends: the rank copies on its own
+        raise ValueError(f"storage {s.sid}: an IPC handle of another format than the "
+                         "caching allocator's cudaMalloc one (expandable segments?)")
+    return mapped
 
 
 def refusal(req: Copy, storages: dict[int, Any], pinned: dict[str, Any]) -> str | None:
@@ -497,9 +498,7 @@ class CopierClient:
                 sid = self._sids[key] = len(self._sids)
                 f = storage._share_cuda_()
                 shares.append(StorageShare(
-                    sid=sid, device=f[0], handle=_b64(f[1]), size=f[2], offset=f[3],
-                    ref_handle=_b64(f[4]), ref_offset=f[5], event_handle=_b64(f[6]),
-                    event_sync=bool(f[7])))
+                    sid=sid, device=f[0], handle=_b64(f[1]), size=f[2], offset=f[3]))
                 self._keep.append(storage)
             n = t.numel() * t.element_size()
             if n:
